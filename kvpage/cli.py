@@ -1,0 +1,43 @@
+"""The `kvpage` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvpage.core_demo import run_demo
+
+    run_demo(block_size=args.block_size, num_blocks=args.num_blocks, seed=args.seed)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpage", description="kvpage: a paged-KV-cache LLM inference engine.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser(
+        "demo",
+        help="show the block core on synthetic requests",
+        description="Run the paged KV-cache core on synthetic requests that share a system prompt, "
+        "fork one into parallel samples and finish some; print block tables, a pool map and statistics.",
+    )
+    demo.add_argument("--block-size", type=int, default=8, help="token slots per block (default 8)")
+    demo.add_argument("--num-blocks", type=int, default=40, help="blocks in the pool (default 40)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens (default 0)")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError) as e:
+        print(f"kvpage {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

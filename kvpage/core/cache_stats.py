@@ -1,0 +1,43 @@
+"""`CacheStats`: a snapshot of where the KV-cache memory is, read by users, metrics and benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class CacheStats:
+    block_size: int
+    total_blocks: int
+    used_blocks: int  # ref_count > 0
+    free_blocks: int  # ref_count == 0, cached ones included
+    cached_blocks: int  # free, but still registered: a later request can hit them
+    shared_blocks: int  # ref_count > 1
+    logical_blocks: int  # sum of the block-table lengths of the sequences on the GPU pool
+    stored_tokens: int  # filled slots in used blocks (a shared block counts once)
+    allocated_slots: int  # used_blocks * block_size
+    waste: float  # (allocated_slots - stored_tokens) / allocated_slots; 0.0 when nothing is allocated
+    prefix_query_tokens: int  # prompt tokens looked up in the prefix cache by admitted sequences
+    prefix_hit_tokens: int  # of those, tokens served from cache
+    sharing_ratio: float  # shared_blocks / used_blocks; 0.0 when nothing is used
+    num_seqs: int  # sequences on the GPU pool
+    num_swapped_seqs: int  # sequences on the CPU pool
+    cpu_total_blocks: int
+    cpu_used_blocks: int
+
+    @property
+    def usage(self) -> float:
+        """Fraction of GPU blocks in use (what vLLM reports as KV-cache usage)."""
+        return self.used_blocks / self.total_blocks if self.total_blocks else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        if not self.prefix_query_tokens:
+            return 0.0
+        return self.prefix_hit_tokens / self.prefix_query_tokens
+
+    def as_dict(self) -> dict[str, float | int]:
+        d = asdict(self)
+        d["usage"] = self.usage
+        d["prefix_hit_rate"] = self.prefix_hit_rate
+        return d
