@@ -14,6 +14,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check kvpage tests benchmarks
+	$(PY) -m ruff format --check kvpage tests benchmarks
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -92,8 +92,10 @@ def run_demo(block_size: int = 8, num_blocks: int = 40, max_len: int = 128, seed
 
     prompt = SYSTEM_PROMPT + [7, 7, 7]
     prefix = mgr.find_cached_prefix(prompt)
-    print(f"\na new request with the same system prompt finds {prefix.num_tokens} of its {len(prompt)} "
-          f"tokens cached in blocks {prefix.block_ids}")
+    print(
+        f"\na new request with the same system prompt finds {prefix.num_tokens} of its {len(prompt)} "
+        f"tokens cached in blocks {prefix.block_ids}"
+    )
 
     for seq_id in mgr.seq_ids():
         mgr.free(seq_id)

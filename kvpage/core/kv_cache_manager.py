@@ -189,9 +189,7 @@ class KVCacheManager:
             if seq.on_cpu:
                 raise RuntimeError(f"sequence {seq_id!r} is swapped out; swap it in first")
             num_old, table_len, num_reserved = len(seq.token_ids), len(seq.block_ids), 0
-            copy_last = (
-                bool(new_token_ids) and num_old % bs != 0 and pool.blocks[seq.block_ids[-1]].ref_count > 1
-            )
+            copy_last = bool(new_token_ids) and num_old % bs != 0 and pool.blocks[seq.block_ids[-1]].ref_count > 1
         num_new_blocks = _cdiv(num_old + len(new_token_ids), bs) - table_len
         if num_new_blocks + copy_last > pool.num_free - num_reserved:
             return None
@@ -230,7 +228,8 @@ class KVCacheManager:
 
     def free(self, seq_id: str) -> None:
         """Release a finished or aborted sequence; its blocks go back tail first."""
-        seq = self._seqs.pop(seq_id)
+        seq = self._seq(seq_id)
+        del self._seqs[seq_id]
         if seq.on_cpu:
             self.cpu_pool.free(self.cpu_pool.blocks[b] for b in seq.block_ids)
             self._num_swapped -= 1
@@ -326,28 +325,38 @@ class KVCacheManager:
             queued = pool.free_queue.block_ids()
             _check(len(queued) == len(set(queued)) == pool.num_free, "free queue length or duplicates")
             for block in pool.blocks:
-                _check(block.ref_count == refs[block.block_id],
-                       f"block {block.block_id}: ref_count {block.ref_count} but {refs[block.block_id]} tables hold it")
-                _check((block.ref_count == 0) == (block in pool.free_queue),
-                       f"block {block.block_id}: free iff unreferenced")
+                _check(
+                    block.ref_count == refs[block.block_id],
+                    f"block {block.block_id}: ref_count {block.ref_count} but {refs[block.block_id]} tables hold it",
+                )
+                _check(
+                    (block.ref_count == 0) == (block in pool.free_queue),
+                    f"block {block.block_id}: free iff unreferenced",
+                )
                 _check(0 <= block.num_tokens <= bs, f"block {block.block_id}: {block.num_tokens} tokens")
             used = [b for b in pool.blocks if b.ref_count > 0]
             _check(pool.num_free + len(used) == pool.num_total, "free + used != total")
             _check(pool.num_shared == sum(b.ref_count > 1 for b in used), "shared counter")
             _check(pool.num_used_tokens == sum(b.num_tokens for b in used), "used-token counter")
-            _check(pool.num_cached_free == sum(b.cache_key is not None for b in pool.blocks if b.ref_count == 0),
-                   "cached counter")
+            _check(
+                pool.num_cached_free == sum(b.cache_key is not None for b in pool.blocks if b.ref_count == 0),
+                "cached counter",
+            )
         _check(all(b.cache_key is None for b in self.cpu_pool.blocks), "a CPU block is registered")
         if self.prefix_cache is not None:
             for digest, block in self.prefix_cache.items():
                 key = block.cache_key
                 _check(key is not None and key.digest == digest, f"block {block.block_id}: hash map entry")
-                _check(key.is_consistent() and len(key.token_ids) == bs,  # type: ignore[union-attr]
-                       f"block {block.block_id}: stored tokens do not hash to its key")
+                _check(
+                    key.is_consistent() and len(key.token_ids) == bs,  # type: ignore[union-attr]
+                    f"block {block.block_id}: stored tokens do not hash to its key",
+                )
             registered = sum(b.cache_key is not None for b in self.pool.blocks)
             _check(registered == len(self.prefix_cache), "a block carries a key the map does not hold")
-        _check(self._num_logical == sum(len(s.block_ids) for s in self._seqs.values() if not s.on_cpu),
-               "logical-block counter")
+        _check(
+            self._num_logical == sum(len(s.block_ids) for s in self._seqs.values() if not s.on_cpu),
+            "logical-block counter",
+        )
         _check(self._num_swapped == sum(s.on_cpu for s in self._seqs.values()), "swapped counter")
         for seq_id, seq in self._seqs.items():
             n = len(seq.token_ids)
@@ -362,8 +371,10 @@ class KVCacheManager:
                 block = pool.blocks[b]
                 _check(block.num_tokens == min(bs, n - i * bs), f"{seq_id}: fill of block {b}")
                 if block.cache_key is not None:
-                    _check(i < len(chain) and block.cache_key.digest == chain[i],
-                           f"{seq_id}: block {b} is registered under content other than its tokens")
+                    _check(
+                        i < len(chain) and block.cache_key.digest == chain[i],
+                        f"{seq_id}: block {b} is registered under content other than its tokens",
+                    )
 
     # ------------------------------------------------------------------ helpers
     def _seq(self, seq_id: str) -> _Sequence:
