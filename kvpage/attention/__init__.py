@@ -1,0 +1,6 @@
+"""Attention over the paged KV cache: explicit metadata, a backend interface, the reference backend."""
+
+from kvpage.attention.backend import AttentionBackend, get_backend
+from kvpage.attention.metadata import AttentionMetadata
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend"]

@@ -1,0 +1,39 @@
+"""The attention backend interface. A backend writes the new K/V into the paged cache and attends.
+
+Backends are chosen by name and imported lazily, so a GPU kernel can be added (and its toolchain
+imported) without the reference backend or the model changing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol
+
+import torch
+
+from kvpage.attention.metadata import AttentionMetadata
+
+_BACKENDS = {"torch": "kvpage.attention.torch_ref:TorchReferenceBackend"}
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+def get_backend(name: str = "torch") -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)()

@@ -1,0 +1,37 @@
+"""What the scheduler hands the worker each step: plain ints and lists, no torch.
+
+SchedulerOutput
+  sequences: the tokens to compute for each sequence, where they go, what to return
+  copies:    (src, dst) GPU block copies to perform first (copy-on-write)
+  swap_out:  (gpu, cpu) block copies, before the step; swap_in: (cpu, gpu) block copies
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    seq_id: str
+    token_ids: list[int]  # the new tokens to run this step (a prompt chunk, or one decode token)
+    num_computed: int  # tokens of this sequence whose KV is already cached: position of token_ids[0]
+    block_table: list[int]  # physical blocks covering num_computed + len(token_ids) tokens
+    return_logits: bool = True  # logits of the last token (False for a prompt chunk that is not the last)
+    prompt_logprobs: bool = False  # also return the log-probabilities over every position of this chunk
+
+    @property
+    def seq_len(self) -> int:
+        return self.num_computed + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    sequences: list[ScheduledSequence]
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)

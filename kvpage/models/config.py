@@ -1,0 +1,109 @@
+"""`ModelConfig`: the shape of a LLaMA-family model, read from config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    architecture: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; kvpage runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Per token, K and V of every layer, at 2 bytes per element (a float16/bfloat16 cache)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_hf(self) -> dict[str, Any]:
+        """A Hugging Face config.json that `from_hf` (and transformers) read back as this config."""
+        hf = {
+            "architectures": ["Qwen2ForCausalLM" if self.architecture == "qwen2" else "LlamaForCausalLM"],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else self.eos_token_ids or None,
+        }
+        return hf
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        return cls(**d)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """From a Hugging Face config.json."""
+        model_type = hf.get("model_type", "llama")
+        heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        rope_scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+        if rope_scaling is not None:
+            rope_scaling = dict(rope_scaling)
+            rope_scaling.setdefault("rope_type", rope_scaling.get("type", "default"))
+            rope_theta = rope_scaling.pop("rope_theta", None)
+            if rope_scaling["rope_type"] == "default" and set(rope_scaling) <= {"rope_type", "type"}:
+                rope_scaling = None
+        else:
+            rope_theta = None
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(hf.get("rope_theta") or rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            architecture=model_type,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=[] if eos is None else (list(eos) if isinstance(eos, list) else [eos]),
+        )

@@ -1,0 +1,131 @@
+"""Read a GGUF file (llama.cpp's format) through the `gguf` library: config, tokenizer and weights.
+
+Weights are dequantized by `gguf.quants.dequantize` (Q4_0, Q4_1, Q8_0, the K-quants, F16, BF16,
+F32, ...) into float32 and renamed to Hugging Face names. llama.cpp's converter permutes the rows
+of q and k of LLaMA models (its RoPE rotates adjacent pairs; Hugging Face rotates the two halves of
+each head); `unpermute_qk` undoes that, per head:
+
+    llama.cpp rows of one head:  r0 r_{d/2} r1 r_{d/2+1} ...     ->   r0 r1 ... r_{d/2} r_{d/2+1} ...
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvpage.models.config import ModelConfig
+from kvpage.models.tokenizer import Tokenizer
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")  # blk.N.attn_q.weight
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
+
+
+def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _metadata(reader) -> dict[str, Any]:
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception:  # noqa: BLE001 - a field this gguf version cannot decode is not one we need
+            continue
+    return out
+
+
+def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCHITECTURES)}")
+
+    def get(key: str, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    rope_scaling = None
+    if meta.get(f"{arch}.rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        vocab_size=int(meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // heads),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        architecture=_ARCHITECTURES[arch],
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [int(eos)],
+    )
+
+
+def read_gguf(path: Path) -> tuple[ModelConfig, Tokenizer, dict[str, np.ndarray]]:
+    """Config, tokenizer and float32 weights (Hugging Face names) of a GGUF file."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - the library raises many types for a damaged file
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+    meta = _metadata(reader)
+    names = {t.name for t in reader.tensors}
+    cfg = config_from_metadata(meta, names)
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    weights: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        try:
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except (NotImplementedError, ValueError, KeyError) as e:
+            raise ValueError(
+                f"tensor {t.name!r} has type {t.tensor_type.name}, which cannot be dequantized: {e}"
+            ) from e
+        if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            w = unpermute_qk(w, cfg.num_heads)
+        elif cfg.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            w = unpermute_qk(w, cfg.num_kv_heads)
+        w = np.ascontiguousarray(w)
+        weights[name] = w if w.flags.writeable else w.copy()  # F32 tensors come as read-only file maps
+    return cfg, tokenizer, weights

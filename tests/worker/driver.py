@@ -1,0 +1,75 @@
+"""A minimal greedy generation loop over the real core and the real model runner, for tests.
+
+It plays the scheduler's part in the simplest way (no preemption, a pool big enough for all):
+each step every sequence gets its next prompt chunk, or its last sampled token; blocks come from
+`KVCacheManager.allocate_slots`, prefix-cache hits from `find_cached_prefix`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpage.core import KVCacheManager
+from kvpage.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvpage.worker.model_runner import ModelRunner
+
+
+@dataclass
+class GreedyResult:
+    tokens: list[list[int]]  # generated tokens per prompt
+    first_logits: list[torch.Tensor]  # logits of each prompt's last token
+    hit_tokens: list[int] = field(default_factory=list)  # prompt tokens served from the prefix cache
+
+
+def greedy_generate(
+    runner: ModelRunner,
+    mgr: KVCacheManager,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    chunk_size: int | None = None,
+    free_at_end: bool = True,
+) -> GreedyResult:
+    ids = [f"g{i}" for i in range(len(prompts))]
+    tokens = [list(p) for p in prompts]
+    computed = [0] * len(prompts)
+    generated: list[list[int]] = [[] for _ in prompts]
+    first: list[torch.Tensor | None] = [None] * len(prompts)
+    hits = [0] * len(prompts)
+    while any(len(g) < max_new_tokens for g in generated):
+        step = []
+        for i, seq_id in enumerate(ids):
+            if len(generated[i]) >= max_new_tokens:
+                continue
+            if not mgr.has_sequence(seq_id):
+                prefix = mgr.find_cached_prefix(tokens[i])
+                computed[i] = hits[i] = prefix.num_tokens
+                end = len(tokens[i]) if chunk_size is None else min(len(tokens[i]), computed[i] + chunk_size)
+                alloc = mgr.allocate_slots(seq_id, tokens[i][computed[i] : end], prefix)
+            else:
+                end = len(tokens[i]) if chunk_size is None else min(len(tokens[i]), computed[i] + chunk_size)
+                alloc = mgr.allocate_slots(seq_id, tokens[i][mgr.num_tokens(seq_id) : end])
+            assert alloc is not None and not alloc.copies, "the test pool must be large enough"
+            step.append(
+                ScheduledSequence(
+                    seq_id, tokens[i][computed[i] : end], computed[i], mgr.block_table(seq_id), end == len(tokens[i])
+                )
+            )
+        out = runner.execute(SchedulerOutput(step))
+        for s in step:
+            i = ids.index(s.seq_id)
+            computed[i] = out.num_computed[s.seq_id]
+            mgr.mark_computed(s.seq_id, computed[i])
+            if s.return_logits:
+                logits = out.logits_of(s.seq_id)
+                if first[i] is None:
+                    first[i] = logits
+                nxt = int(torch.argmax(logits))
+                generated[i].append(nxt)
+                tokens[i].append(nxt)
+    if free_at_end:
+        for seq_id in ids:
+            mgr.free(seq_id)
+    return GreedyResult(generated, first, hits)  # type: ignore[arg-type]
