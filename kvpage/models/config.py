@@ -89,6 +89,14 @@ class ModelConfig:
                 rope_scaling = None
         else:
             rope_theta = None
+        if hf.get("mlp_bias"):
+            raise ValueError("models with MLP biases (mlp_bias=true) are not supported")
+        if model_type == "qwen2" and hf.get("use_sliding_window"):
+            raise ValueError("Qwen2 with use_sliding_window=true is not supported")
+        max_len = hf.get("max_position_embeddings", 2048)
+        if model_type == "mistral" and hf.get("sliding_window"):
+            # Within the window, sliding-window attention is plain causal attention; never go past it.
+            max_len = min(max_len, hf["sliding_window"])
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -100,7 +108,7 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(hf.get("rope_theta") or rope_theta or 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_len,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             architecture=model_type,

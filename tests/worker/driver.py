@@ -31,17 +31,22 @@ def greedy_generate(
     *,
     chunk_size: int | None = None,
     free_at_end: bool = True,
+    start_steps: list[int] | None = None,
 ) -> GreedyResult:
+    """`start_steps[i]`: the step at which prompt i arrives, so prefills and decodes share forwards."""
     ids = [f"g{i}" for i in range(len(prompts))]
     tokens = [list(p) for p in prompts]
     computed = [0] * len(prompts)
     generated: list[list[int]] = [[] for _ in prompts]
     first: list[torch.Tensor | None] = [None] * len(prompts)
     hits = [0] * len(prompts)
+    start_steps = start_steps or [0] * len(prompts)
+    step_no = -1
     while any(len(g) < max_new_tokens for g in generated):
+        step_no += 1
         step = []
         for i, seq_id in enumerate(ids):
-            if len(generated[i]) >= max_new_tokens:
+            if len(generated[i]) >= max_new_tokens or start_steps[i] > step_no:
                 continue
             if not mgr.has_sequence(seq_id):
                 prefix = mgr.find_cached_prefix(tokens[i])
@@ -73,3 +78,19 @@ def greedy_generate(
         for seq_id in ids:
             mgr.free(seq_id)
     return GreedyResult(generated, first, hits)  # type: ignore[arg-type]
+
+
+def make_runner(lm, num_blocks: int, block_size: int, **mgr_kw) -> tuple[ModelRunner, KVCacheManager]:
+    """A model runner with a KV cache of `num_blocks` blocks, and the manager that owns those blocks."""
+    from kvpage.worker.kv_cache import KVCache
+
+    dtype = next(lm.model.parameters()).dtype
+    kv = KVCache(lm.config, num_blocks, block_size, dtype, num_cpu_blocks=mgr_kw.get("num_cpu_blocks", 0))
+    mgr_kw.setdefault("watermark", 0.0)
+    return ModelRunner(lm.model, kv), KVCacheManager(num_blocks, block_size, **mgr_kw)
+
+
+def assert_pool_clean(mgr: KVCacheManager) -> None:
+    mgr.check_invariants()
+    st = mgr.stats()
+    assert st.used_blocks == 0 and st.cpu_used_blocks == 0 and st.num_seqs == 0

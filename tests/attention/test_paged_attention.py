@@ -1,0 +1,79 @@
+"""The reference paged attention equals dense scaled-dot-product attention on random ragged batches."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from kvpage.attention import AttentionMetadata, get_backend
+
+
+def dense_reference(q, k, v, scale):
+    """Causal attention of one whole sequence, K/V repeated per query head: [n, heads, d]."""
+    n, heads, _ = q.shape
+    rep = heads // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4), (8, 1)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_ragged_batch_of_decodes_and_prefills_matches_dense(heads, kv_heads, block_size):
+    g = torch.Generator().manual_seed(block_size * 100 + heads)
+    rng = random.Random(block_size * 100 + heads)
+    d, scale = 32, 32**-0.5
+    # (total length, new tokens): 3 decodes of different contexts, a fresh prefill, two chunks with context
+    shapes = [(1, 1), (37, 1), (9, 1), (23, 23), (40, 7), (18, 17)]
+    num_blocks = sum(math.ceil(n / block_size) for n, _ in shapes) + 3
+    free = list(range(num_blocks))
+    rng.shuffle(free)  # scattered physical blocks
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, d)
+    v_cache = torch.zeros_like(k_cache)
+    full = []
+    tables = []
+    for n, _ in shapes:
+        q = torch.randn(n, heads, d, generator=g)
+        k = torch.randn(n, kv_heads, d, generator=g)
+        v = torch.randn(n, kv_heads, d, generator=g)
+        full.append((q, k, v))
+        tables.append([free.pop() for _ in range(math.ceil(n / block_size))])
+    # the earlier tokens of each sequence are already in the cache
+    for (n, new), (_, k, v), table in zip(shapes, full, tables, strict=True):
+        for t in range(n - new):
+            k_cache[table[t // block_size], t % block_size] = k[t]
+            v_cache[table[t // block_size], t % block_size] = v[t]
+    meta = AttentionMetadata.build([new for _, new in shapes], [n for n, _ in shapes], tables, block_size)
+    q_in = torch.cat([q[n - new :] for (n, new), (q, _, _) in zip(shapes, full, strict=True)])
+    k_in = torch.cat([k[n - new :] for (n, new), (_, k, _) in zip(shapes, full, strict=True)])
+    v_in = torch.cat([v[n - new :] for (n, new), (_, _, v) in zip(shapes, full, strict=True)])
+    out = get_backend("torch").forward(q_in, k_in, v_in, k_cache, v_cache, meta, scale)
+    start = 0
+    for (n, new), (q, k, v) in zip(shapes, full, strict=True):
+        expected = dense_reference(q, k, v, scale)[n - new :]
+        torch.testing.assert_close(out[start : start + new], expected, atol=1e-5, rtol=1e-5)
+        start += new
+    # the new K/V were written where the slot mapping says
+    for (n, _), (_, k, _), table in zip(shapes, full, tables, strict=True):
+        t = n - 1
+        torch.testing.assert_close(k_cache[table[t // block_size], t % block_size], k[t])
+
+
+def test_metadata_rejects_decodes_after_prefills_and_short_tables():
+    with pytest.raises(ValueError, match="decodes"):
+        AttentionMetadata.build([3, 1], [3, 5], [[0], [1]], 4)
+    with pytest.raises(ValueError, match="blocks"):
+        AttentionMetadata.build([5], [5], [[0]], 4)
+    meta = AttentionMetadata.build([1, 1, 3], [5, 2, 3], [[0, 1], [2], [3]], 4)
+    assert meta.num_decodes == 2 and meta.query_start_loc == [0, 1, 2, 5]
+    assert meta.slot_mapping.tolist() == [1 * 4 + 0, 2 * 4 + 1, 12, 13, 14]
+    assert meta.block_tables.tolist() == [[0, 1], [2, 0], [3, 0]]
+
+
+def test_unknown_backend_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown attention backend 'cuda-magic'"):
+        get_backend("cuda-magic")

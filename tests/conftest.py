@@ -1,0 +1,82 @@
+"""Session fixtures: the real model (SmolLM2-135M-Instruct) and its transformers oracle, loaded once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracle reads the local GGUF file; never the network
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+PROMPT_TEXTS = [
+    ("chat", "What is the capital of France?"),
+    ("chat", "Write a haiku about memory pages."),
+    ("chat", "Explain in two sentences why the sky is blue, and mention Rayleigh scattering by name."),
+    ("raw", "The quick brown fox"),
+    ("raw", "def fibonacci(n):\n    "),
+    ("raw", "In 1969, the first humans landed on the Moon. The mission was called"),
+    ("chat", "List three prime numbers larger than 100 and say how you checked each one."),
+    ("raw", "Once upon a time, in a kingdom far away, there lived a princess who loved to read. Every day she"),
+]
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from kvpage.models import load_model
+
+    return load_model("smollm2", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_bf16():
+    from kvpage.models import load_model
+
+    return load_model("smollm2", dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
+def prompts(smollm2) -> list[list[int]]:
+    tok = smollm2.tokenizer
+    out = []
+    for kind, text in PROMPT_TEXTS:
+        if kind == "chat":
+            text = tok.apply_chat_template([{"role": "user", "content": text}])
+        out.append(tok.encode(text))
+    return out
+
+
+def _hf_model(smollm2, dtype):
+    import transformers
+
+    path = Path(smollm2.source)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    model.generation_config.eos_token_id = None  # generate the full length, as our tests do
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_f32(smollm2):
+    return _hf_model(smollm2, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_bf16(smollm2):
+    return _hf_model(smollm2, torch.bfloat16)
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy continuation of one unpadded prompt, and its last-token logits."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, do_sample=False)
+        logits = model(ids).logits[0, -1].float()
+    return out[0, len(prompt) :].tolist(), logits
+
+
+@pytest.fixture(scope="session")
+def hf_f32_greedy(hf_f32, prompts):
+    return [hf_greedy(hf_f32, p, 48) for p in prompts]
