@@ -21,9 +21,10 @@ def dense_reference(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4), (8, 1)])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_ragged_batch_of_decodes_and_prefills_matches_dense(heads, kv_heads, block_size):
+def test_ragged_batch_of_decodes_and_prefills_matches_dense(heads, kv_heads, block_size, dtype):
     g = torch.Generator().manual_seed(block_size * 100 + heads)
     rng = random.Random(block_size * 100 + heads)
     d, scale = 32, 32**-0.5
@@ -32,14 +33,14 @@ def test_ragged_batch_of_decodes_and_prefills_matches_dense(heads, kv_heads, blo
     num_blocks = sum(math.ceil(n / block_size) for n, _ in shapes) + 3
     free = list(range(num_blocks))
     rng.shuffle(free)  # scattered physical blocks
-    k_cache = torch.zeros(num_blocks, block_size, kv_heads, d)
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, d, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     full = []
     tables = []
     for n, _ in shapes:
-        q = torch.randn(n, heads, d, generator=g)
-        k = torch.randn(n, kv_heads, d, generator=g)
-        v = torch.randn(n, kv_heads, d, generator=g)
+        q = torch.randn(n, heads, d, generator=g).to(dtype)
+        k = torch.randn(n, kv_heads, d, generator=g).to(dtype)
+        v = torch.randn(n, kv_heads, d, generator=g).to(dtype)
         full.append((q, k, v))
         tables.append([free.pop() for _ in range(math.ceil(n / block_size))])
     # the earlier tokens of each sequence are already in the cache
@@ -52,10 +53,12 @@ def test_ragged_batch_of_decodes_and_prefills_matches_dense(heads, kv_heads, blo
     k_in = torch.cat([k[n - new :] for (n, new), (_, k, _) in zip(shapes, full, strict=True)])
     v_in = torch.cat([v[n - new :] for (n, new), (_, _, v) in zip(shapes, full, strict=True)])
     out = get_backend("torch").forward(q_in, k_in, v_in, k_cache, v_cache, meta, scale)
+    assert out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16 keeps 8 bits of mantissa
     start = 0
     for (n, new), (q, k, v) in zip(shapes, full, strict=True):
-        expected = dense_reference(q, k, v, scale)[n - new :]
-        torch.testing.assert_close(out[start : start + new], expected, atol=1e-5, rtol=1e-5)
+        expected = dense_reference(q.float(), k.float(), v.float(), scale)[n - new :]
+        torch.testing.assert_close(out[start : start + new].float(), expected, atol=tol, rtol=tol)
         start += new
     # the new K/V were written where the slot mapping says
     for (n, _), (_, k, _), table in zip(shapes, full, tables, strict=True):

@@ -35,8 +35,9 @@ MIXED_TYPES = {
 }
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def private_cache(tmp_path, monkeypatch):
+    """Conversions of the test's own GGUF files go to a folder of the test, not the user's cache."""
     monkeypatch.setenv("KVPAGE_CACHE_DIR", str(tmp_path / "cache"))
 
 
@@ -48,6 +49,7 @@ def test_unpermute_inverts_llama_cpp_permutation():
     assert np.array_equal(unpermute_qk(permute_qk(b, 3), 3), b)
 
 
+@pytest.mark.usefixtures("private_cache")
 def test_gguf_of_mixed_tensor_types_matches_transformers(tmp_path):
     import transformers
 
@@ -70,6 +72,7 @@ def test_gguf_of_mixed_tensor_types_matches_transformers(tmp_path):
     assert r.tokens[0] == ref_tokens[0, len(ids) :].tolist()
 
 
+@pytest.mark.usefixtures("private_cache")
 def test_gguf_tokenizer_and_chat_template_come_from_metadata(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path, {}, tied=True)
@@ -84,6 +87,7 @@ def test_gguf_tokenizer_and_chat_template_come_from_metadata(tmp_path):
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n"
 
 
+@pytest.mark.usefixtures("private_cache")
 def test_second_load_comes_from_the_cache_with_identical_weights(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path, {"blk.0.attn_q.weight": Q.Q4_1})
@@ -110,6 +114,7 @@ def test_missing_package_tells_how_to_install(monkeypatch):
         load_model("smollm2")
 
 
+@pytest.mark.usefixtures("private_cache")
 def test_bad_inputs_give_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="neither a known name"):
         load_model("no-such-model")
@@ -129,6 +134,7 @@ def test_bad_inputs_give_clear_errors(tmp_path):
         load_model("smollm2", dtype="int3")
 
 
+@pytest.mark.usefixtures("private_cache")
 def test_unsupported_gguf_architecture_is_named(tmp_path):
     from gguf import GGUFWriter
 
