@@ -180,7 +180,9 @@ def main() -> None:
     if not args.no_results:
         body = (
             "Forward pass of SmolLM2-135M-Instruct on the paged cache (16-token blocks, reference torch backend), "
-            "against the same model's linear layers alone at the same shapes.\n\n" + "\n".join(lines) + f"\n\n{load_line}\n"
+            "against the same model's linear layers alone at the same shapes.\n\n"
+            + "\n".join(lines)
+            + f"\n\n{load_line}\n"
         )
         append_results("Forward pass (benchmarks/forward_pass.py)", body, "torch", "transformers")
 
