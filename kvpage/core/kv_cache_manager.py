@@ -154,20 +154,32 @@ class KVCacheManager:
     # ------------------------------------------------------------------ admission
     def check_admission(self, num_tokens: int, prefix: CachedPrefix | None = None) -> Admission:
         """Could a new sequence of `num_tokens` tokens get its blocks now, later, or never?
-        `watermark_blocks` stay free for running sequences to grow into."""
+        NOW keeps `watermark_blocks` free for running sequences to grow into; NEVER means it would
+        not fit even in an empty pool."""
         hits = self._prefix_blocks(prefix)
         total_needed = _cdiv(num_tokens, self.block_size)
         needed = total_needed - len(hits)
         available = self.pool.num_free - sum(b.ref_count == 0 for b in hits) - self.watermark_blocks
-        if total_needed > self.pool.num_total - self.watermark_blocks:
+        if total_needed > self.pool.num_total:
             reason = (
                 f"needs {total_needed} blocks of {self.block_size} tokens for {num_tokens} tokens, "
-                f"but the cache holds {self.pool.num_total} blocks"
-                + (f" ({self.watermark_blocks} kept free as watermark)" if self.watermark_blocks else "")
+                f"but the whole cache holds {self.pool.num_total} blocks"
             )
             return Admission(AdmissionStatus.NEVER, needed, available, reason)
         status = AdmissionStatus.NOW if needed <= available else AdmissionStatus.LATER
         return Admission(status, needed, available)
+
+    def num_blocks_needed(self, seq_id: str, num_new_tokens: int) -> int:
+        """Blocks `allocate_slots(seq_id, <num_new_tokens tokens>)` would take, copy-on-write included."""
+        seq = self._seq(seq_id)
+        n = len(seq.token_ids)
+        if num_new_tokens <= 0:
+            return 0
+        copy_last = n % self.block_size != 0 and self.pool.blocks[seq.block_ids[-1]].ref_count > 1
+        return _cdiv(n + num_new_tokens, self.block_size) - len(seq.block_ids) + copy_last
+
+    def num_blocks_to_swap_in(self, seq_ids: list[str]) -> int:
+        return len({b for s in seq_ids for b in self._seq(s).block_ids})
 
     # ------------------------------------------------------------------ allocation
     def allocate_slots(

@@ -326,8 +326,10 @@ def test_admission_now_later_never_with_watermark():
     assert mgr.watermark_blocks == 2
     a = mgr.check_admission(9 * BS)
     assert (a.status, a.blocks_needed, a.blocks_available) == (AdmissionStatus.NOW, 9, 9)
-    never = mgr.check_admission(9 * BS + 1)  # 10 blocks > 11 - 2
-    assert never.status is AdmissionStatus.NEVER and "10 blocks" in never.reason
+    # 10 blocks fit the empty pool, but only by using the watermark: later, not never
+    assert mgr.check_admission(9 * BS + 1).status is AdmissionStatus.LATER
+    never = mgr.check_admission(11 * BS + 1)  # 12 blocks > 11
+    assert never.status is AdmissionStatus.NEVER and "12 blocks" in never.reason
     add(mgr, "a", toks(5 * BS))
     assert mgr.check_admission(4 * BS).status is AdmissionStatus.NOW
     later = mgr.check_admission(5 * BS)
@@ -335,6 +337,22 @@ def test_admission_now_later_never_with_watermark():
     # prefix hits need no new block
     p = mgr.find_cached_prefix(toks(5 * BS) + toks(4 * BS, 1000))
     assert mgr.check_admission(9 * BS, p).status is AdmissionStatus.NOW
+    finish(mgr)
+
+
+def test_blocks_needed_counts_boundaries_and_copy_on_write():
+    mgr = new_mgr(num_cpu_blocks=4)
+    add(mgr, "a", toks(20))  # blocks 0, 1 (4 tokens in block 1)
+    assert mgr.num_blocks_needed("a", 12) == 0
+    assert mgr.num_blocks_needed("a", 13) == 1
+    mgr.fork("a", "b")
+    assert mgr.num_blocks_needed("a", 1) == 1  # the shared partial block must be copied
+    assert mgr.num_blocks_needed("a", 13) == 2
+    assert mgr.num_blocks_needed("a", 0) == 0
+    before = mgr.stats().free_blocks
+    assert len(mgr.allocate_slots("a", toks(13)).new_block_ids) + 1 == 2 == before - mgr.stats().free_blocks
+    mgr.swap_out(["b"])
+    assert mgr.num_blocks_to_swap_in(["b"]) == 2
     finish(mgr)
 
 

@@ -1,0 +1,76 @@
+"""Engine settings, validated up front: a wrong value raises ValueError naming the field."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(value: int | str, field_name: str) -> int:
+    """512, "512MiB", "1GiB", "1.5GB" -> bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"{field_name} must be a size such as '512MiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{field_name} must be a size such as '512MiB' or '1GiB', got {value!r}")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n < 0:
+        raise ValueError(f"{field_name} must be >= 0, got {value!r}")
+    return n
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = "smollm2"
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None  # bytes for the KV cache; default 512MiB unless num_kv_blocks
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    swap_space: int | str = 0  # bytes of CPU memory for swapped-out blocks
+    preemption_mode: str | None = None  # "recompute", "swap", or None: swap when it fits, else recompute
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's context length
+    seed: int = 0
+    watermark: float = 0.01
+    device: str = "cpu"
+    attention_backend: str = "torch"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.block_size > 1024 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two up to 1024, got {self.block_size}")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
+        if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError("give either kv_cache_memory or num_kv_blocks, not both")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
+        self.swap_space = parse_bytes(self.swap_space, "swap_space")
+        if self.preemption_mode not in (None, "recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute', 'swap' or None, got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and not self.swap_space:
+            raise ValueError("preemption_mode='swap' needs swap_space > 0")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(**kwargs)

@@ -1,0 +1,67 @@
+"""A request as the scheduler sees it: plain token lists and counters, no sampling logic.
+
+A request starts with one sequence (its prompt). Parallel sampling (n > 1) and beam search fork it
+into more sequences that share blocks; each sequence ends on its own, the request when all have.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted by recompute
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted by swap: its blocks are in the CPU pool
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    seq_id: str
+    index: int  # the sample's index in the request's outputs (or a beam's slot)
+    token_ids: list[int]  # prompt + generated
+    num_prompt_tokens: int
+    num_computed: int = 0  # tokens whose KV is in the cache
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    arrival: int  # order of arrival; the scheduler serves first come, first served
+    cache_salt: str | None = None
+    use_prefix_cache: bool = True  # off for requests that want prompt logprobs (every position must run)
+    want_prompt_logprobs: bool = False
+    sequences: list[Sequence] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    error: str | None = None  # why it failed alone (e.g. it can never fit in the cache)
+
+    def __post_init__(self) -> None:
+        if not self.sequences:
+            ids = list(self.prompt_token_ids)
+            self.sequences.append(Sequence(f"{self.request_id}#0", 0, ids, len(ids)))
+
+    @property
+    def live_sequences(self) -> list[Sequence]:
+        return [s for s in self.sequences if not s.finished]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

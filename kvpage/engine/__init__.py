@@ -1,0 +1,1 @@
+"""The engine: LLMEngine (add_request / step / abort), LLM (offline API), beam search."""

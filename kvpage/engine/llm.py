@@ -1,0 +1,130 @@
+"""`LLM`: the offline API, with vLLM's names.
+
+llm = LLM(model="smollm2", dtype="bfloat16", kv_cache_memory="512MiB", enable_prefix_caching=True)
+outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+llm.chat([{"role": "user", "content": "Hi"}])
+llm.beam_search(["The capital of France is"], BeamSearchParams(beam_width=4, max_tokens=16))
+llm.cache_stats()
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+from kvpage.config import EngineConfig
+from kvpage.core import CacheStats
+from kvpage.engine.llm_engine import LLMEngine
+from kvpage.outputs import RequestOutput
+from kvpage.sampling_params import BeamSearchParams, SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2", **kwargs) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def cache_stats(self) -> CacheStats:
+        return self.llm_engine.cache_stats()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of the prompts."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams | BeamSearchParams):
+            params = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params has {len(params)} entries for {len(prompt_list)} prompts; give one or one each"
+                )
+        return self._run(prompt_list, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation or a list of them, rendered with the model's chat template."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        tok = self.llm_engine.tokenizer
+        prompts = [tok.apply_chat_template(list(c), add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt; its outputs are the final beams, best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError("params must be a BeamSearchParams")
+        prompt_list = _as_prompt_list(prompts)
+        return self._run(prompt_list, [params] * len(prompt_list), use_tqdm)
+
+    def _run(self, prompts: list[Prompt], params: list, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                rid = str(next(self._ids))
+                engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except ValueError:
+            for rid in ids:  # nothing half-submitted stays behind
+                engine.abort_request(rid)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        start, generated0 = time.perf_counter(), engine.num_generation_tokens
+        try:
+            while len(results) < len(ids):
+                for out in engine.step():
+                    if out.finished and out.request_id in set(ids):
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if bar is not None:
+                    rate = (engine.num_generation_tokens - generated0) / max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+        except BaseException:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[rid] for rid in ids]
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    if isinstance(prompts, Sequence) and not isinstance(prompts, str | bytes):
+        out = list(prompts)
+        if not out:
+            raise ValueError("prompts is empty")
+        for p in out:
+            if not (isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p))):
+                raise ValueError("each prompt must be a string or a list of token ids")
+        return out
+    raise ValueError("prompts must be a string, a list of strings, or a list of token-id lists")

@@ -1,0 +1,128 @@
+"""`SamplingParams` and `BeamSearchParams`, with vLLM's names. Every value is checked when the object
+is made; a wrong or unknown field raises ValueError naming it, before any block is taken."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+_GREEDY_EPS = 1e-5
+
+
+def _check_unknown(cls, kwargs: dict[str, Any], public_name: str) -> None:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"unknown {public_name} field(s): {', '.join(unknown)}")
+
+
+def _int(name: str, v: Any, lo: int | None = None, allow_none: bool = False) -> None:
+    if v is None and allow_none:
+        return
+    if not isinstance(v, int) or isinstance(v, bool) or (lo is not None and v < lo):
+        raise ValueError(f"{name} must be an integer{f' >= {lo}' if lo is not None else ''}, got {v!r}")
+
+
+def _float(name: str, v: Any, lo: float, hi: float, lo_open: bool = False) -> None:
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        raise ValueError(f"{name} must be a number, got {v!r}")
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}")
+
+
+@dataclass(slots=True, kw_only=True)
+class _SamplingFields:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None: until the context is full
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None  # top log-probabilities returned per generated token
+    prompt_logprobs: int | None = None  # top log-probabilities returned per prompt token
+
+
+class SamplingParams(_SamplingFields):
+    __slots__ = ()
+
+    def __init__(self, **kwargs: Any) -> None:
+        _check_unknown(_SamplingFields, kwargs, "SamplingParams")
+        super().__init__(**kwargs)
+        self._validate()
+
+    def _validate(self) -> None:
+        _int("n", self.n, 1)
+        _float("temperature", self.temperature, 0.0, float("inf"))
+        _float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _int("top_k", self.top_k, -1)
+        _float("min_p", self.min_p, 0.0, 1.0)
+        _int("seed", self.seed, allow_none=True)
+        _float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _float("repetition_penalty", self.repetition_penalty, 0.0, float("inf"), lo_open=True)
+        _int("max_tokens", self.max_tokens, 1, allow_none=True)
+        _int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and (
+            not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop)
+        ):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if self.stop_token_ids is not None and (
+            not isinstance(self.stop_token_ids, list)
+            or not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids)
+        ):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        _int("logprobs", self.logprobs, 0, allow_none=True)
+        _int("prompt_logprobs", self.prompt_logprobs, 0, allow_none=True)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def __repr__(self) -> str:
+        changed = {f.name: getattr(self, f.name) for f in fields(_SamplingFields) if getattr(self, f.name) != f.default}
+        return f"SamplingParams({', '.join(f'{k}={v!r}' for k, v in changed.items())})"
+
+
+@dataclass(slots=True, kw_only=True)
+class _BeamFields:
+    beam_width: int = 4
+    max_tokens: int = 16
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+
+class BeamSearchParams(_BeamFields):
+    """Beam search as in transformers' generate(num_beams=beam_width, do_sample=False): see
+    kvpage/engine/beam_search.py for the exact rules (length penalty, early stopping)."""
+
+    __slots__ = ()
+
+    def __init__(self, **kwargs: Any) -> None:
+        _check_unknown(_BeamFields, kwargs, "BeamSearchParams")
+        super().__init__(**kwargs)
+        _int("beam_width", self.beam_width, 1)
+        _int("max_tokens", self.max_tokens, 1)
+        _float("length_penalty", self.length_penalty, float("-inf"), float("inf"))
+        if self.temperature != 0.0:
+            raise ValueError("temperature must be 0 for beam search (only deterministic beam search is supported)")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")

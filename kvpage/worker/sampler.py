@@ -1,0 +1,106 @@
+"""The sampler: from a batch of logits to one token per row, with per-row settings.
+
+    logits -> log-probabilities (returned, from the raw logits, as vLLM does)
+           -> repetition / presence / frequency penalties -> banned tokens (min_tokens)
+           -> greedy rows: argmax
+           -> others: temperature -> top-k -> top-p -> min-p -> a draw from the row's own generator
+
+Each row draws with its own `torch.Generator` (seeded per request and sample), so a seeded
+request gives the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    logits_row: int  # which row of the logits (several samples of one prompt share a row)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    banned_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    num_logprobs: int | None = None  # top-k log-probabilities to return (0: only the sampled token's)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # of the sampled token under the raw model distribution
+    rank: int | None = None  # 1 = the most likely token
+    top: list[tuple[int, float]] | None = None  # the num_logprobs most likely (token, logprob)
+
+
+def _apply_penalties(x: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    if row.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.int64)
+        if seen.numel():
+            vals = x[seen]
+            x[seen] = torch.where(vals > 0, vals / row.repetition_penalty, vals * row.repetition_penalty)
+    if (row.presence_penalty or row.frequency_penalty) and row.output_token_ids:
+        counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.int64), minlength=x.numel())
+        x -= row.frequency_penalty * counts.to(x.dtype) + row.presence_penalty * (counts > 0).to(x.dtype)
+    if row.banned_token_ids:
+        x[torch.tensor(row.banned_token_ids, dtype=torch.int64)] = float("-inf")
+    return x
+
+
+def _filter(x: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p: logits of excluded tokens become -inf."""
+    x = x / row.temperature
+    if 0 < row.top_k < x.numel():
+        kth = torch.topk(x, row.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if row.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = sorted_x.softmax(-1)
+        # drop a token when the tokens before it already reach top_p (the first one always stays)
+        drop = probs.cumsum(-1) - probs >= row.top_p
+        x = x.scatter(0, order[drop], float("-inf"))
+    if row.min_p > 0.0:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < row.min_p * probs.max(), float("-inf"))
+    return x
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+    """One token per row. `logits` is [num_logits_rows, vocab] float32."""
+    out: list[SampledToken] = []
+    logprobs = None
+    if any(r.num_logprobs is not None for r in rows):
+        logprobs = torch.log_softmax(logits, dim=-1)
+    for row in rows:
+        x = logits[row.logits_row]
+        if row.repetition_penalty != 1.0 or row.presence_penalty or row.frequency_penalty or row.banned_token_ids:
+            x = _apply_penalties(x.clone(), row)
+        if row.greedy:
+            token = int(torch.argmax(x))
+        else:
+            probs = _filter(x, row).softmax(-1)
+            # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, using only this row's generator.
+            noise = torch.empty_like(probs).exponential_(generator=row.generator)
+            token = int(torch.argmax(probs / noise))
+        st = SampledToken(token)
+        if row.num_logprobs is not None and logprobs is not None:
+            lp = logprobs[row.logits_row]
+            st.logprob = float(lp[token])
+            st.rank = int((lp > lp[token]).sum()) + 1
+            if row.num_logprobs > 0:
+                top = torch.topk(lp, min(row.num_logprobs, lp.numel()))
+                st.top = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+        out.append(st)
+    return out
