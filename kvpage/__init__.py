@@ -23,7 +23,17 @@ _EXPORTS = {
     "Logprob": "kvpage.outputs",
     "CacheStats": "kvpage.core.cache_stats",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "LLM",
+    "BeamSearchParams",
+    "CacheStats",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 if TYPE_CHECKING:
     from kvpage.config import EngineConfig
