@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+from kvpage import LLM, SamplingParams
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def make_llm(**kw) -> LLM:
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("num_kv_blocks", 128)
+    return LLM("smollm2", **kw)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, **GREEDY, **kw)
+
+
+def assert_clean(llm: LLM) -> None:
+    """Every engine test ends here: no request left, the pool fully free, the bookkeeping consistent."""
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    engine.kv_manager.check_invariants()
+    st = llm.cache_stats()
+    assert st.used_blocks == 0 and st.cpu_used_blocks == 0 and st.free_blocks == st.total_blocks
+    assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.scheduler.swapped

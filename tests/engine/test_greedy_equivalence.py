@@ -1,0 +1,72 @@
+"""Greedy output of the engine equals transformers' (float32), whatever the cache does underneath."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.engine.helpers import assert_clean, greedy, make_llm
+
+N = 32
+
+
+def expected(hf_f32_greedy, n=N):
+    return [tokens[:n] for tokens, _ in hf_f32_greedy]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_prefix_caching_on_and_off(prompts, hf_f32_greedy, caching):
+    llm = make_llm(enable_prefix_caching=caching)
+    outs = llm.generate(prompts, greedy(N), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected(hf_f32_greedy)
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    # a second round hits the cache (when on) and still gives the same tokens
+    outs = llm.generate(prompts, greedy(N), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected(hf_f32_greedy)
+    assert (llm.cache_stats().prefix_hit_tokens > 0) == caching
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_forced_preemption(prompts, hf_f32_greedy, mode):
+    # 12 blocks of 16 tokens for 8 requests of up to ~90 tokens each: preempted again and again
+    kw = dict(num_kv_blocks=12, max_model_len=192, preemption_mode=mode)
+    if mode == "swap":
+        kw["swap_space"] = "64MiB"
+    llm = make_llm(**kw)
+    outs = llm.generate(prompts, greedy(N), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected(hf_f32_greedy)
+    sched = llm.llm_engine.scheduler
+    assert sched.num_preemptions >= 5
+    assert (sched.num_swapped_out > 0) == (mode == "swap")
+    assert sum(o.metrics["num_preemptions"] for o in outs) == sched.num_preemptions
+    assert_clean(llm)
+
+
+def test_prefill_budget_of_16_tokens(prompts, hf_f32_greedy):
+    llm = make_llm(max_num_batched_tokens=16)
+    outs = llm.generate(prompts, greedy(16), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected(hf_f32_greedy, 16)
+    assert_clean(llm)
+
+
+def test_any_batch_composition_and_arrival_order(prompts, hf_f32_greedy):
+    llm = make_llm(max_num_seqs=3)
+    engine = llm.llm_engine
+    order = list(range(len(prompts)))
+    random.Random(7).shuffle(order)
+    pending = {f"r{i}": i for i in order}
+    results = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 3 == 0:  # a new request every third step, in shuffled order
+            rid, i = next(iter(pending.items()))
+            del pending[rid]
+            engine.add_request(rid, prompts[i], greedy(N))
+        for out in engine.step():
+            if out.finished:
+                results[int(out.request_id[1:])] = out.outputs[0].token_ids
+        step += 1
+    assert [results[i] for i in range(len(prompts))] == expected(hf_f32_greedy)
+    assert_clean(llm)

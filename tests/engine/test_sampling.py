@@ -1,0 +1,117 @@
+"""Sampling settings, stop rules, log-probabilities and text through the whole engine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvpage import SamplingParams
+from tests.engine.helpers import assert_clean, greedy, make_llm
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make_llm()
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(llm, prompts):
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = llm.generate([prompts[1]], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    mixed = llm.generate([prompts[0], prompts[1], prompts[5]], [others, params, others], use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == alone
+    again = llm.generate([prompts[1]] * 2, params, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == again[1].outputs[0].token_ids == alone
+    different = llm.generate([prompts[1]], SamplingParams(temperature=0.9, seed=99, max_tokens=24), use_tqdm=False)
+    assert different[0].outputs[0].token_ids != alone
+    assert_clean(llm)
+
+
+def test_max_tokens_min_tokens_and_eos(llm):
+    tok = llm.get_tokenizer()
+    chat = tok.apply_chat_template([{"role": "user", "content": "Say hi."}])
+    out = llm.generate([chat], SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == 2 and out.stop_reason is None  # <|im_end|>
+    eos_at = len(out.token_ids)
+    longer = llm.generate([chat], SamplingParams(temperature=0, max_tokens=200, min_tokens=eos_at + 3),
+                          use_tqdm=False)[0].outputs[0]  # fmt: skip
+    assert len(longer.token_ids) >= eos_at + 3 and 2 not in longer.token_ids[: eos_at + 2]
+    short = llm.generate([chat], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].outputs[0]
+    assert short.finish_reason == "length" and short.token_ids == out.token_ids[:3]
+    assert_clean(llm)
+
+
+def test_stop_strings_and_stop_token_ids(llm, prompts):
+    full = llm.generate([prompts[3]], greedy(24), use_tqdm=False)[0].outputs[0]
+    # pick a stop string that spans two tokens of the greedy text
+    tok = llm.get_tokenizer()
+    pieces = [tok.decode([t]) for t in full.token_ids]
+    i = next(j for j in range(2, len(pieces)) if len(pieces[j].strip()) >= 2 and len(pieces[j - 1].strip()) >= 2)
+    stop = pieces[j - 1][-1] + pieces[j][:2] if (j := i) else None
+    out = llm.generate([prompts[3]], greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[: full.text.index(stop)] and stop not in out.text
+    kept = llm.generate([prompts[3]], greedy(24, stop=stop, include_stop_str_in_output=True), use_tqdm=False)
+    assert kept[0].outputs[0].text.endswith(stop)
+    # a stop token id ends the sequence with that token, and names it
+    target = full.token_ids[5]
+    out = llm.generate([prompts[3]], greedy(24, stop_token_ids=[target]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == full.token_ids[: full.token_ids.index(target) + 1] and out.stop_reason == target
+    assert_clean(llm)
+
+
+def test_logprobs_and_prompt_logprobs(llm, prompts, hf_f32):
+    import torch
+
+    p = prompts[5]
+    out = llm.generate([p], greedy(6, logprobs=3, prompt_logprobs=2), use_tqdm=False)[0]
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == 6
+    for tok, pos in zip(comp.token_ids, comp.logprobs, strict=True):
+        assert pos[tok].rank == 1 and len(pos) == 3  # greedy: the chosen token is the top one
+        assert all(lp.decoded_token is not None for lp in pos.values())
+    assert math.isclose(comp.cumulative_logprob, sum(pos[t].logprob for t, pos in zip(comp.token_ids, comp.logprobs)),
+                        rel_tol=1e-6)  # fmt: skip
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_f32(torch.tensor([p])).logits[0].float(), -1)
+    for pos in range(1, len(p)):
+        entry = out.prompt_logprobs[pos]
+        assert p[pos] in entry and len(entry) <= 3
+        assert math.isclose(entry[p[pos]].logprob, float(ref[pos - 1, p[pos]]), abs_tol=2e-4)
+    assert_clean(llm)
+
+
+def test_text_is_incremental_utf8_and_matches_full_decode(llm):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = llm.llm_engine
+    engine.add_request("u", "Emoji and accents: 🙂 ünïcödé 日本", params)
+    texts = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            texts.append(out.outputs[0].text)
+    assert all("\ufffd" not in t for t in texts)
+    assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))
+    final = out.outputs[0]
+    # the full decode, except that a character cut in half by max_tokens is not emitted as U+FFFD
+    assert final.text == llm.get_tokenizer().decode(final.token_ids).rstrip("\ufffd")
+    assert_clean(llm)
+
+
+def test_penalties_change_greedy_output(llm, prompts):
+    base = llm.generate([prompts[3]], greedy(20), use_tqdm=False)[0].outputs[0].token_ids
+    rep = llm.generate([prompts[3]], greedy(20, repetition_penalty=1.5), use_tqdm=False)[0].outputs[0].token_ids
+    freq = llm.generate([prompts[3]], greedy(20, frequency_penalty=2.0), use_tqdm=False)[0].outputs[0].token_ids
+    assert rep != base and freq != base
+    assert len(set(freq)) >= len(set(base))
+    assert_clean(llm)
+
+
+def test_chat_uses_the_template(llm):
+    outs = llm.chat([[{"role": "user", "content": "What is the capital of France?"}],
+                     [{"role": "user", "content": "Name a color."}]],
+                    SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)  # fmt: skip
+    assert len(outs) == 2 and "Paris" in outs[0].outputs[0].text
+    assert outs[0].prompt.startswith("<|im_start|>system") and outs[0].prompt.endswith("<|im_start|>assistant\n")
+    assert_clean(llm)
