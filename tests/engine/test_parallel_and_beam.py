@@ -28,9 +28,10 @@ def test_n_samples_share_the_prompt_blocks(llm, prompts, hf_f32_greedy):
     engine.step()  # each sample writes its token: the shared partial block is copied for 3 of them
     st = llm.cache_stats()
     assert st.used_blocks == full_blocks + 4 and st.shared_blocks == full_blocks
+    outs = []
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            pass
+        outs += engine.step()
+    out = outs[-1]
     # greedy samples all continue exactly like transformers: the copies carried the right KV
     assert [c.token_ids for c in out.outputs] == [hf_f32_greedy[0][0][:8]] * 4
     assert_clean(llm)
@@ -50,7 +51,8 @@ def hf_beams(hf, prompt, width, n):
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), num_beams=width, num_return_sequences=width,
-                          do_sample=False, max_new_tokens=n, eos_token_id=2, pad_token_id=2, length_penalty=1.0)  # fmt: skip
+                          do_sample=False, max_new_tokens=n, eos_token_id=2, pad_token_id=2,
+                          length_penalty=1.0)  # fmt: skip
     beams = []
     for row in out[:, len(prompt) :].tolist():
         beams.append(row[: row.index(2) + 1] if 2 in row else row)
