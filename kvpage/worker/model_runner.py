@@ -9,6 +9,7 @@ and how many tokens of each sequence now have their KV written, which the engine
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -36,17 +37,21 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = torch.device(device)
+        self.timings = {"copy": 0.0, "prepare": 0.0, "forward": 0.0}  # seconds, summed over steps
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         kv = self.kv_cache
+        t0 = time.perf_counter()
         kv.swap_out(step.swap_out)  # read the victims' blocks before anything can overwrite them
         kv.swap_in(step.swap_in)
         kv.copy_blocks(step.copies)
+        t1 = time.perf_counter()
         num_computed = {s.seq_id: s.seq_len for s in step.sequences}
         if not step.sequences:
             return ModelRunnerOutput([], torch.empty(0), num_computed)
         inputs = build_inputs(step.sequences, kv.block_size, self.device)
+        t2 = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, kv.layers, inputs.meta)
         logits = self.model.compute_logits(hidden[inputs.logits_index]).float()
         out = ModelRunnerOutput(inputs.logits_seq_ids, logits, num_computed)
@@ -57,4 +62,8 @@ class ModelRunner:
                 chunk_logits = self.model.compute_logits(hidden[start:end]).float()
                 out.prompt_logprobs[s.seq_id] = torch.log_softmax(chunk_logits, dim=-1)
             start = end
+        t3 = time.perf_counter()
+        self.timings["copy"] += t1 - t0
+        self.timings["prepare"] += t2 - t1
+        self.timings["forward"] += t3 - t2
         return out
