@@ -14,9 +14,11 @@ sequence of seq_len keys, query r sits at position seq_len - q + r.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+DECODE_GROUP = 32  # decodes attended together; bigger groups pad more, smaller ones loop more
 
 
 @dataclass(slots=True)
@@ -28,6 +30,9 @@ class AttentionMetadata:
     seq_lens_list: list[int]  # the same as seq_lens, plain ints
     num_decodes: int  # the first num_decodes sequences have exactly one query token
     block_size: int
+    # decodes sorted by length and cut into groups, so each group gathers only up to its own longest
+    # context instead of padding every decode to the longest of the batch: (rows, max_len) per group
+    decode_groups: list[tuple[torch.Tensor, int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -60,6 +65,12 @@ class AttentionMetadata:
             if not 0 < q <= n or len(table) * block_size < n:
                 raise ValueError(f"query of {q} tokens in a sequence of {n} with {len(table)} blocks")
             slots.extend(table[t // block_size] * block_size + t % block_size for t in range(n - q, n))
+        by_len = sorted(range(num_decodes), key=lambda i: seq_lens[i])
+        groups = [
+            (torch.tensor(by_len[g : g + DECODE_GROUP], dtype=torch.int64, device=device), seq_lens[by_len[g + n - 1]])
+            for g in range(0, num_decodes, DECODE_GROUP)
+            for n in [min(DECODE_GROUP, num_decodes - g)]
+        ]
         width = max((len(t) for t in block_tables), default=0)
         padded = [t + [0] * (width - len(t)) for t in block_tables]
         return cls(
@@ -70,4 +81,5 @@ class AttentionMetadata:
             seq_lens_list=list(seq_lens),
             num_decodes=num_decodes,
             block_size=block_size,
+            decode_groups=groups,
         )

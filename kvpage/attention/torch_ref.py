@@ -1,10 +1,18 @@
 """The reference attention backend: pure torch, runs everywhere, tested in CI.
 
-Decodes are attended as one batch: their keys are gathered through the block tables into a
-[num_decodes, max_len] view (in a reused workspace) and masked past each sequence's length.
-Each prefill chunk is attended on its own (no padding to the longest chunk); a chunk with no
-earlier context uses its fresh K/V directly with a causal mask, one with cached context gathers
-its keys and masks by position. Grouped-query attention never repeats K/V in memory.
+Cache layout, per layer and for K and V alike: [num_blocks, num_kv_heads, block_size, head_dim].
+Head-major inside a block means that gathering one kv head's blocks for a batch of sequences
+(`index_select` over the block dimension) yields [sequences, length, head_dim] matrices that are
+contiguous, which batched matmul reads in place; the token-major layout forced a second copy of
+every gathered key and value.
+
+    slot s = block_id * block_size + offset   ->   cache[block_id, :, offset, :]
+
+Decodes are attended in groups of similar length (see AttentionMetadata.decode_groups), one kv head
+at a time with the query heads of its group stacked, so K/V are never repeated for grouped-query
+attention; softmax runs in float32. Each prefill chunk is attended on its own (no padding to the
+longest chunk): a chunk with no earlier context uses its fresh K/V with a causal mask, one with
+cached context gathers its keys and masks by position.
 """
 
 from __future__ import annotations
@@ -16,83 +24,72 @@ from kvpage.attention.metadata import AttentionMetadata
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
-    """Store each token's K/V at its slot (slot = block_id * block_size + offset)."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    """Store each token's K/V ([tokens, kv_heads, head_dim]) at its slot."""
+    block_size = k_cache.shape[2]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, :, offsets] = k
+    v_cache[blocks, :, offsets] = v
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` keys (or values) of one sequence: [length, num_kv_heads, head_dim]."""
-    block_size = cache.shape[1]
-    num_blocks = -(-length // block_size)
-    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+    """The first `length` keys (or values) of one sequence, head-major: [kv_heads, length, head_dim]."""
+    num_blocks = -(-length // cache.shape[2])
+    blocks = cache[block_table[:num_blocks]]  # [nb, kv_heads, bs, d]
+    return blocks.transpose(0, 1).flatten(1, 2)[:, :length]
 
 
 class TorchReferenceBackend:
     name = "torch"
 
     def __init__(self) -> None:
-        # Gathered decode keys/values land in buffers reused by every layer and step: allocating
-        # ~100 MB afresh per layer costs more in page faults than the attention itself.
+        # Gathered decode keys/values land in buffers reused by every layer, head and step:
+        # allocating ~100 MB afresh each time costs more in page faults than the attention itself.
         self._workspace: dict[str, torch.Tensor] = {}
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        for rows, max_len in meta.decode_groups:
+            out[rows] = self._decode_group(q[rows], rows, max_len, k_cache, v_cache, meta, scale)
         starts, lens = meta.query_start_loc, meta.seq_lens_list
-        for i in range(nd, meta.num_seqs):
+        for i in range(meta.num_decodes, meta.num_seqs):
             s, e, n = starts[i], starts[i + 1], lens[i]
             qi = q[s:e].transpose(0, 1)  # [heads, q, d]
             if e - s == n:  # no earlier context: the chunk's own K/V are all the keys
                 ki, vi = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                ki = gather_kv(k_cache, meta.block_tables[i], n).transpose(0, 1)
-                vi = gather_kv(v_cache, meta.block_tables[i], n).transpose(0, 1)
+                ki = gather_kv(k_cache, meta.block_tables[i], n)
+                vi = gather_kv(v_cache, meta.block_tables[i], n)
                 pos_q = torch.arange(n - (e - s), n, device=q.device)
                 mask = torch.arange(n, device=q.device)[None, :] <= pos_q[:, None]  # [q, n]
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
             out[s:e] = o.transpose(0, 1)
         return out
 
-    def _gather(self, name: str, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """cache[blocks] into a reused buffer: [len(blocks), block_size, kv_heads, head_dim]."""
-        shape = (blocks.numel(), *cache.shape[1:])
+    def _gather(self, name: str, cache_head: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """cache_head[blocks] ([num_blocks, bs, d] view of one kv head) into a reused, contiguous buffer."""
+        numel = blocks.numel() * cache_head[0].numel()
         buf = self._workspace.get(name)
-        if (
-            buf is None
-            or buf.dtype != cache.dtype
-            or buf.device != cache.device
-            or buf.numel() < cache[0].numel() * shape[0]
-        ):
-            buf = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+        if buf is None or buf.dtype != cache_head.dtype or buf.device != cache_head.device or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=cache_head.dtype, device=cache_head.device)
             self._workspace[name] = buf
-        out = buf.view(-1)[: cache[0].numel() * shape[0]].view(shape)
-        return torch.index_select(cache, 0, blocks, out=out)
+        out = buf[:numel].view(blocks.numel(), *cache_head.shape[1:])
+        return torch.index_select(cache_head, 0, blocks, out=out)
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        nd, bs = meta.num_decodes, meta.block_size
-        kv_heads, d = k_cache.shape[2], k_cache.shape[3]
-        max_len = max(meta.seq_lens_list[:nd])
-        blocks = meta.block_tables[:nd, : -(-max_len // bs)].reshape(-1)
-        keys = self._gather("k", k_cache, blocks).view(nd, -1, kv_heads, d)[:, :max_len]  # [nd, L, kvh, d]
-        values = self._gather("v", v_cache, blocks).view(nd, -1, kv_heads, d)[:, :max_len]
-        valid = torch.arange(max_len, device=q.device)[None, :] < meta.seq_lens[:nd, None]  # [nd, L]
-        if q.dtype == torch.float32:
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True,
-            )  # fmt: skip
-            return o.squeeze(2)
-        # Half precision: torch's CPU SDPA is slow here, so attend per kv head with the query heads of
-        # its group stacked (no K/V repeat), softmax in float32.
+    def _decode_group(self, q, rows, max_len, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        n, bs = rows.numel(), meta.block_size
+        kv_heads, d = k_cache.shape[1], k_cache.shape[3]
+        nb = -(-max_len // bs)
+        blocks = meta.block_tables[rows, :nb].reshape(-1)
+        invalid = torch.arange(nb * bs, device=q.device)[None, None, :] >= meta.seq_lens[rows, None, None]
         group = q.shape[1] // kv_heads
-        qg = q.view(nd, kv_heads, group, d)
-        scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float().mul_(scale)  # [nd, kvh, group, L]
-        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-        probs = scores.softmax(-1).to(q.dtype)
-        return torch.matmul(probs, values.permute(0, 2, 1, 3)).reshape(nd, -1, d)
+        qg = q.view(n, kv_heads, group, d)
+        out = torch.empty(n, kv_heads, group, d, dtype=q.dtype, device=q.device)
+        for h in range(kv_heads):
+            keys = self._gather("k", k_cache[:, h], blocks).view(n, nb * bs, d)
+            values = self._gather("v", v_cache[:, h], blocks).view(n, nb * bs, d)
+            scores = torch.bmm(qg[:, h], keys.transpose(1, 2)).float().mul_(scale)  # [n, group, L]
+            probs = scores.masked_fill_(invalid, float("-inf")).softmax(-1).to(q.dtype)
+            out[:, h] = torch.bmm(probs, values)
+        return out.view(n, -1, d)

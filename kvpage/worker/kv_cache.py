@@ -1,8 +1,9 @@
 """The physical KV cache: per layer, K and V tensors of every block, on the device and on the CPU.
 
-Layout per layer: [num_blocks, block_size, num_kv_heads, head_dim]. Token t of a sequence is at
-cache.view(-1, num_kv_heads, head_dim)[block_table[t // B] * B + t % B]. Repeated K/V heads of
-grouped-query attention are never stored: a cache holds num_kv_heads heads only.
+Layout per layer: [num_blocks, num_kv_heads, block_size, head_dim] (head-major inside a block, so
+one head's blocks gather into contiguous matrices; see attention/torch_ref.py). Token t of a
+sequence is at cache[block_table[t // B], :, t % B, :]. Repeated K/V heads of grouped-query
+attention are never stored: a cache holds num_kv_heads heads only.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class KVCache:
         num_cpu_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
         cpu_shape = (num_cpu_blocks, *shape[1:])
         self.layers = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

@@ -33,7 +33,7 @@ def test_ragged_batch_of_decodes_and_prefills_matches_dense(heads, kv_heads, blo
     num_blocks = sum(math.ceil(n / block_size) for n, _ in shapes) + 3
     free = list(range(num_blocks))
     rng.shuffle(free)  # scattered physical blocks
-    k_cache = torch.zeros(num_blocks, block_size, kv_heads, d, dtype=dtype)
+    k_cache = torch.zeros(num_blocks, kv_heads, block_size, d, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     full = []
     tables = []
@@ -46,8 +46,8 @@ def test_ragged_batch_of_decodes_and_prefills_matches_dense(heads, kv_heads, blo
     # the earlier tokens of each sequence are already in the cache
     for (n, new), (_, k, v), table in zip(shapes, full, tables, strict=True):
         for t in range(n - new):
-            k_cache[table[t // block_size], t % block_size] = k[t]
-            v_cache[table[t // block_size], t % block_size] = v[t]
+            k_cache[table[t // block_size], :, t % block_size] = k[t]
+            v_cache[table[t // block_size], :, t % block_size] = v[t]
     meta = AttentionMetadata.build([new for _, new in shapes], [n for n, _ in shapes], tables, block_size)
     q_in = torch.cat([q[n - new :] for (n, new), (q, _, _) in zip(shapes, full, strict=True)])
     k_in = torch.cat([k[n - new :] for (n, new), (_, k, _) in zip(shapes, full, strict=True)])
@@ -63,7 +63,7 @@ def test_ragged_batch_of_decodes_and_prefills_matches_dense(heads, kv_heads, blo
     # the new K/V were written where the slot mapping says
     for (n, _), (_, k, _), table in zip(shapes, full, tables, strict=True):
         t = n - 1
-        torch.testing.assert_close(k_cache[table[t // block_size], t % block_size], k[t])
+        torch.testing.assert_close(k_cache[table[t // block_size], :, t % block_size], k[t])
 
 
 def test_metadata_rejects_decodes_after_prefills_and_short_tables():
@@ -80,3 +80,35 @@ def test_metadata_rejects_decodes_after_prefills_and_short_tables():
 def test_unknown_backend_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown attention backend 'cuda-magic'"):
         get_backend("cuda-magic")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_decodes_of_different_lengths_are_grouped_correctly(dtype):
+    """More decodes than one group holds, in no particular order of length."""
+    g = torch.Generator().manual_seed(3)
+    rng = random.Random(3)
+    heads, kv_heads, d, bs = 4, 2, 16, 4
+    lens = [rng.randint(1, 60) for _ in range(75)]
+    num_blocks = sum(math.ceil(n / bs) for n in lens)
+    k_cache = torch.randn(num_blocks, kv_heads, bs, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, kv_heads, bs, d, generator=g).to(dtype)
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables, start = [], 0
+    for n in lens:
+        tables.append(ids[start : start + math.ceil(n / bs)])
+        start += len(tables[-1])
+    meta = AttentionMetadata.build([1] * len(lens), lens, tables, bs)
+    assert len(meta.decode_groups) == 3
+    q = torch.randn(len(lens), heads, d, generator=g).to(dtype)
+    # the new token's K/V are the ones already at its slot (write_kv stores them again)
+    k_new = torch.stack([k_cache[t[(n - 1) // bs], :, (n - 1) % bs] for t, n in zip(tables, lens, strict=True)])
+    v_new = torch.stack([v_cache[t[(n - 1) // bs], :, (n - 1) % bs] for t, n in zip(tables, lens, strict=True)])
+    out = get_backend("torch").forward(q, k_new, v_new, k_cache, v_cache, meta, d**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, (t, n) in enumerate(zip(tables, lens, strict=True)):
+        k = k_cache[t].transpose(1, 2).flatten(0, 1)[:n].float().repeat_interleave(2, dim=1)
+        v = v_cache[t].transpose(1, 2).flatten(0, 1)[:n].float().repeat_interleave(2, dim=1)
+        att = torch.einsum("hd,khd->hk", q[i].float(), k) * d**-0.5
+        ref = torch.einsum("hk,khd->hd", att.softmax(-1), v)
+        torch.testing.assert_close(out[i].float(), ref, atol=tol, rtol=tol)
