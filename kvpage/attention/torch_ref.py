@@ -54,17 +54,19 @@ class TorchReferenceBackend:
         starts, lens = meta.query_start_loc, meta.seq_lens_list
         for i in range(meta.num_decodes, meta.num_seqs):
             s, e, n = starts[i], starts[i + 1], lens[i]
-            qi = q[s:e].transpose(0, 1)  # [heads, q, d]
+            # 4-D inputs ([1, heads, tokens, d]): torch's fused CPU kernel takes those, and is 3-4x
+            # faster than the generic path that 3-D inputs fall back to.
+            qi = q[s:e].transpose(0, 1)[None]
             if e - s == n:  # no earlier context: the chunk's own K/V are all the keys
-                ki, vi = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
+                ki, vi = k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                ki = gather_kv(k_cache, meta.block_tables[i], n)
-                vi = gather_kv(v_cache, meta.block_tables[i], n)
+                ki = gather_kv(k_cache, meta.block_tables[i], n)[None]
+                vi = gather_kv(v_cache, meta.block_tables[i], n)[None]
                 pos_q = torch.arange(n - (e - s), n, device=q.device)
                 mask = torch.arange(n, device=q.device)[None, :] <= pos_q[:, None]  # [q, n]
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-            out[s:e] = o.transpose(0, 1)
+            out[s:e] = o[0].transpose(0, 1)
         return out
 
     def _gather(self, name: str, cache_head: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
