@@ -1,51 +1,306 @@
-"""The `kvpage` command line."""
+"""The `kvpage` command line: demo, core-demo, generate, chat, serve, bench, estimate, blocks.
+
+Errors are one line on stderr ("kvpage <command>: error: ...") and exit status 1; usage errors exit 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from pathlib import Path
+
+ENGINE_DEFAULTS = {"kv_cache_memory": "512MiB"}
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2", help="model name, .gguf file or model directory (default smollm2)")
+    g.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16 (default bfloat16)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--kv-cache-memory", default=None, help="memory for the KV cache, e.g. 512MiB (default 512MiB)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="size the KV cache in blocks instead")
+    g.add_argument("--swap-space", default="0", help="CPU memory for swapped-out blocks, e.g. 1GiB (default 0)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once (default 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (default 2048)")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    g.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+
+
+def _make_llm(args: argparse.Namespace):
+    from kvpage import LLM
+
+    kw = dict(dtype=args.dtype, block_size=args.block_size, swap_space=args.swap_space,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+              seed=args.seed)  # fmt: skip
+    if args.num_kv_blocks is not None:
+        kw["num_kv_blocks"] = args.num_kv_blocks
+    else:
+        kw["kv_cache_memory"] = args.kv_cache_memory or ENGINE_DEFAULTS["kv_cache_memory"]
+    return LLM(args.model, **kw)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens per completion at most (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0)")
+    g.add_argument("--top-k", type=int, default=0, help="0 turns top-k off (default 0)")
+    g.add_argument("-n", type=int, default=1, help="completions per prompt (default 1)")
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed of the sampling (default: none)")
+
+
+def _sampling(args):
+    from kvpage import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, n=args.n, seed=args.sampling_seed)  # fmt: skip
+
+
+def _print_stats(st, out=sys.stdout) -> None:
+    print(f"cache: {st.used_blocks}/{st.total_blocks} blocks used, {st.shared_blocks} shared, "
+          f"{st.cached_blocks} cached, waste {st.waste:.1%}, prefix hits {st.prefix_hit_tokens}/"
+          f"{st.prefix_query_tokens} tokens ({st.prefix_hit_rate:.0%})", file=out)  # fmt: skip
+
+
+# ---------------------------------------------------------------------- commands
+def _demo(args) -> int:
     from kvpage.demo import run_demo
 
     run_demo(model=args.model, dtype=args.dtype, max_tokens=args.max_tokens)
     return 0
 
 
-def _core_demo(args: argparse.Namespace) -> int:
+def _core_demo(args) -> int:
     from kvpage.core_demo import run_demo
 
     run_demo(block_size=args.block_size, num_blocks=args.num_blocks, seed=args.seed)
     return 0
 
 
+def _generate(args) -> int:
+    prompts = list(args.prompts)
+    if args.file:
+        prompts += [line for line in Path(args.file).read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("give prompts as arguments or with --file")
+    params = _sampling(args)
+    llm = _make_llm(args)
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    for p, out in zip(prompts, outs, strict=True):
+        print(f"=== {p}")
+        if out.error:
+            print(f"(failed: {out.error})")
+        for c in out.outputs:
+            label = f"[{c.index}] " if len(out.outputs) > 1 else ""
+            print(f"{label}{c.text}  ({len(c.token_ids)} tokens, {c.finish_reason})")
+    _print_stats(llm.cache_stats())
+    return 0
+
+
+def _chat(args) -> int:
+    from kvpage import SamplingParams
+
+    llm = _make_llm(args)
+    engine, tok = llm.llm_engine, llm.get_tokenizer()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("kvpage chat: type a message; /stats shows the cache, /reset starts over, /exit or Ctrl-D quits")
+    turn = 0
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/stats":
+            _print_stats(llm.cache_stats())
+            continue
+        if line == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        rid = f"chat-{turn}"
+        turn += 1
+        engine.add_request(rid, tok.apply_chat_template(history), params)
+        print("assistant> ", end="", flush=True)
+        shown, text = 0, ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                text = out.outputs[0].text
+                print(text[shown:], end="", flush=True)
+                shown = len(text)
+        print()
+        history.append({"role": "assistant", "content": text})
+
+
+def _serve(args) -> int:
+    import uvicorn
+
+    from kvpage.server.app import build_app
+
+    api_key = args.api_key or os.environ.get("KVPAGE_API_KEY") or None
+    llm = _make_llm(args)
+    app = build_app(llm.llm_engine, served_model_name=args.served_model_name or args.model, api_key=api_key,
+                    max_body_bytes=args.max_body_bytes)  # fmt: skip
+    print(f"kvpage serve: {args.model} on http://{args.host}:{args.port} "
+          f"({'API key required' if api_key else 'no API key'})", flush=True)  # fmt: skip
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _bench(args) -> int:
+    from kvpage.tools.bench import run_bench
+
+    result = run_bench(_make_llm(args), num_requests=args.num_requests, input_len=args.input_len,
+                       output_len=args.output_len, jsonl=args.jsonl, seed=args.seed)  # fmt: skip
+    print(result.table())
+    if args.output:
+        Path(args.output).write_text(json.dumps(result.as_dict(), indent=2))
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _estimate(args) -> int:
+    from kvpage.tools.kv_estimate import report, resolve_shape
+
+    if args.batch < 1 or args.max_len < 1 or args.block_size < 1:
+        raise ValueError("--batch, --max-len and --block-size must be positive")
+    if args.lengths:
+        try:
+            lens = [int(x) for x in args.lengths.split(",")]
+        except ValueError:
+            raise ValueError(f"--lengths takes comma-separated integers, got {args.lengths!r}") from None
+    else:
+        lens = [args.actual_len or max(1, args.max_len // 2)] * args.batch
+    print(report(resolve_shape(args.model), args.block_size, args.batch, args.max_len, lens))
+    return 0
+
+
+def _blocks(args) -> int:
+    from kvpage.tools.block_advisor import advise, parse_histogram, read_lengths
+
+    if bool(args.lengths_file) == bool(args.histogram):
+        raise ValueError("give exactly one of --lengths-file and --histogram")
+    hist = read_lengths(Path(args.lengths_file)) if args.lengths_file else parse_histogram(args.histogram)
+    rule, table, best, avg = advise(hist, args.min_block_size, args.max_block_size)
+    print(f"{sum(hist.values())} sequences, average length {avg:.1f} tokens")
+    print("| block size | blocks | slots | waste |\n|---|---|---|---|")
+    for c in table:
+        print(f"| {c.block_size} | {c.blocks} | {c.slots} | {c.waste:.1%} |")
+    rule_choice = next((c for c in table if c.block_size == rule), None)
+    rule_waste = f", waste {rule_choice.waste:.1%}" if rule_choice else ""
+    print(f"seed documents' rule max(64, 2^floor(log2(avg/4))): block_size = {rule}{rule_waste}")
+    print(f"least simulated waste with block_size in [{args.min_block_size}, {args.max_block_size}]: "
+          f"block_size = {best.block_size}, waste {best.waste:.1%}")  # fmt: skip
+    print(f"blocks to pre-allocate for these sequences at block_size {best.block_size}: {best.blocks}")
+    return 0
+
+
+# ---------------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpage", description="kvpage: a paged-KV-cache LLM inference engine.")
+    parser = argparse.ArgumentParser(
+        prog="kvpage", description="kvpage: an LLM inference engine with a paged KV cache."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser(
-        "demo",
-        help="answer a batch of chat prompts with the real model and show where the KV memory went",
-        description="Answer six chat prompts that share one system prompt with the real model, then print "
-        "the cache statistics: blocks used and shared, prefix-cache hit rate, waste, and what a cache "
-        "pre-allocated to the maximum length would have reserved.",
-    )
-    demo.add_argument("--model", default="smollm2", help="model name or path (default smollm2)")
-    demo.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (default bfloat16)")
-    demo.add_argument("--max-tokens", type=int, default=64, help="tokens per answer at most (default 64)")
-    demo.set_defaults(func=_demo)
+    p = sub.add_parser("demo", help="answer chat prompts with the real model and show where the KV memory went",
+                       description="Answer six chat prompts that share one system prompt with the real model, then "
+                       "print the cache statistics: blocks used and shared, prefix-cache hit rate, waste, and what a "
+                       "cache pre-allocated to the maximum length would have reserved.")  # fmt: skip
+    p.add_argument("--model", default="smollm2", help="model name or path (default smollm2)")
+    p.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (default bfloat16)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer at most (default 64)")
+    p.set_defaults(func=_demo)
 
-    core = sub.add_parser(
-        "core-demo",
-        help="show the block core on synthetic requests (no model)",
-        description="Run the paged KV-cache core on synthetic requests that share a system prompt, "
-        "fork one into parallel samples and finish some; print block tables, a pool map and statistics.",
-    )
-    core.add_argument("--block-size", type=int, default=8, help="token slots per block (default 8)")
-    core.add_argument("--num-blocks", type=int, default=40, help="blocks in the pool (default 40)")
-    core.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens (default 0)")
-    core.set_defaults(func=_core_demo)
+    p = sub.add_parser("core-demo", help="show the block core on synthetic requests (no model)",
+                       description="Run the paged KV-cache core on synthetic requests that share a system prompt, "
+                       "fork one into parallel samples and finish some; print block tables, a pool map and "
+                       "statistics.")  # fmt: skip
+    p.add_argument("--block-size", type=int, default=8, help="token slots per block (default 8)")
+    p.add_argument("--num-blocks", type=int, default=40, help="blocks in the pool (default 40)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens (default 0)")
+    p.set_defaults(func=_core_demo)
+
+    p = sub.add_parser("generate", help="complete prompts and print the cache statistics",
+                       description="Complete prompts given as arguments or in a file (one per line), "
+                       "print the completions and the KV-cache statistics.")  # fmt: skip
+    p.add_argument("prompts", nargs="*", help="prompts to complete")
+    p.add_argument("--file", help="a text file with one prompt per line")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    _sampling_args(p)
+    _engine_args(p)
+    p.set_defaults(func=_generate)
+
+    p = sub.add_parser("chat", help="chat interactively, streaming; /stats shows the cache",
+                       description="An interactive chat with the model's chat template, streamed token by token. "
+                       "Commands: /stats (cache statistics), /reset (forget the conversation), /exit.")  # fmt: skip
+    p.add_argument("--system", default=None, help="a system prompt")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per answer at most (default 256)")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default 0.95)")
+    _engine_args(p)
+    p.set_defaults(func=_chat)
+
+    p = sub.add_parser("serve", help="serve the OpenAI API (completions, chat, models) with /health and /metrics",
+                       description="An OpenAI-compatible HTTP server: /v1/models, /v1/completions, "
+                       "/v1/chat/completions (streaming too), /health, and Prometheus /metrics.")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or KVPAGE_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    _engine_args(p)
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("bench", help="offline throughput on a seeded synthetic workload or a JSONL of prompts",
+                       description="Measure offline throughput: a seeded synthetic workload (random prompt "
+                       "tokens, greedy, ignore_eos) or prompts from a JSONL file; prints a table and can write "
+                       "JSON.")  # fmt: skip
+    p.add_argument("--num-requests", type=int, default=64, help="synthetic requests (default 64)")
+    p.add_argument("--input-len", default="32:512", help="prompt length range LOW:HIGH (default 32:512)")
+    p.add_argument("--output-len", default="32:256", help="output length range LOW:HIGH (default 32:256)")
+    p.add_argument("--jsonl", default=None, help='JSONL with {"prompt": ..., "max_tokens": ...} per line')
+    p.add_argument("--output", default=None, help="write the results as JSON here")
+    _engine_args(p)
+    p.set_defaults(func=_bench)
+
+    p = sub.add_parser("estimate", help="KV-cache memory: per token, per block, pre-allocated vs paged, every dtype",
+                       description="The KV memory formula, bytes = 2 x layers x kv_heads x head_dim x "
+                       "bytes_per_element x tokens, for a model (preset, config.json, directory or GGUF): per token, "
+                       "per block, and for a batch pre-allocated to the maximum length versus paged at the actual "
+                       "lengths, for every KV dtype.")  # fmt: skip
+    p.add_argument("--model", default="smollm2", help="llama-2-7b, llama-2-13b, llama-2-70b, llama-3-8b, "
+                   "gpt-3-175b, a config.json, a directory, a .gguf or smollm2 (default)")  # fmt: skip
+    p.add_argument("--batch", type=int, default=8, help="sequences (default 8)")
+    p.add_argument("--max-len", type=int, default=2048, help="length each is pre-allocated for (default 2048)")
+    p.add_argument("--actual-len", type=int, default=None, help="actual length of every sequence (default max-len/2)")
+    p.add_argument("--lengths", default=None, help="actual lengths, comma-separated (instead of --actual-len)")
+    p.add_argument("--block-size", type=int, default=16, help="block size of the paged cache (default 16)")
+    p.set_defaults(func=_estimate)
+
+    p = sub.add_parser("blocks", help="block-size advice from observed sequence lengths",
+                       description="From a JSONL of request lengths or a histogram: the seed documents' rule "
+                       "max(64, 2^floor(log2(avg/4))) next to the block size with the least simulated waste, and "
+                       "the blocks to pre-allocate.")  # fmt: skip
+    p.add_argument("--lengths-file", default=None, help='JSONL: a number, or {"length": N}, per line')
+    p.add_argument("--histogram", default=None, help="LENGTH:COUNT,LENGTH:COUNT,...")
+    p.add_argument("--min-block-size", type=int, default=16, help="smallest block size to consider (default 16)")
+    p.add_argument("--max-block-size", type=int, default=256, help="largest block size (default 256)")
+    p.set_defaults(func=_blocks)
     return parser
 
 
@@ -53,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, RuntimeError) as e:
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, RuntimeError, OSError) as e:
         print(f"kvpage {args.command}: error: {e}", file=sys.stderr)
         return 1
 

@@ -1,0 +1,114 @@
+"""`AsyncEngine`: one engine loop in a background thread, shared by every HTTP request.
+
+Handlers submit requests and read outputs through asyncio queues; they never run model code
+themselves, so the event loop stays free. Requests that arrive while a step runs join the next
+step: the loop drains its command queue before every step.
+
+    handler --add/abort--> command queue --> engine thread: step() --outputs--> per-request asyncio.Queue
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvpage.engine.llm_engine import LLMEngine
+from kvpage.outputs import RequestOutput
+from kvpage.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_output=None) -> None:
+        self.engine = engine
+        self.on_output = on_output  # called in the engine thread for every output (metrics)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="kvpage-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they come; leaving early (a disconnect) aborts it."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._commands.put(("add", request_id, prompt, params))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    # ------------------------------------------------------------------ the engine thread
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopped:
+                while True:
+                    try:
+                        cmd = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    if cmd[0] == "add":
+                        _, rid, prompt, params = cmd
+                        try:
+                            engine.add_request(rid, prompt, params)
+                        except ValueError as e:
+                            self._deliver(rid, e)
+                    else:
+                        engine.abort_request(cmd[1])
+                if not engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                for out in engine.step():
+                    if self.on_output is not None:
+                        self.on_output(out)
+                    self._deliver(out.request_id, out)
+        except BaseException as e:  # noqa: BLE001 - report to every waiting client, then stop
+            self.error = e
+            for rid in list(self._streams):
+                self._deliver(rid, RuntimeError(f"the engine stopped: {e!r}"))
+            raise

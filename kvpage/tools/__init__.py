@@ -1,0 +1,1 @@
+"""Command-line tools that need no engine: the KV memory estimator and the block-size advisor."""
