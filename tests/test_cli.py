@@ -1,0 +1,103 @@
+"""The command line end to end, as a user runs it (a subprocess per command)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+COMMANDS = ["demo", "core-demo", "generate", "chat", "serve", "bench", "estimate", "blocks"]
+
+
+def kvpage(*args: str, input: str | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvpage.cli", *args], capture_output=True, text=True, input=input,
+                          timeout=timeout)  # fmt: skip
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_is_useful_on_its_own(command):
+    r = kvpage(command, "--help")
+    assert r.returncode == 0 and "usage: kvpage " + command in r.stdout
+    assert len(r.stdout.split()) > 20
+
+
+def test_estimate_matches_the_formula_by_hand():
+    r = kvpage("estimate", "--model", "llama-2-13b", "--batch", "8", "--max-len", "2048", "--actual-len", "500")
+    assert r.returncode == 0, r.stderr
+    # fp16: 2 x 40 layers x 40 kv heads x 128 x 2 bytes = 819,200 B = 800 KiB per token
+    # per 16-token block 12.5 MiB; 8 x 2048 pre-allocated = 13,421,772,800 B = 12.50 GiB
+    # paged: ceil(500 / 16) * 16 = 512 slots x 8 = 4096 tokens = 3,355,443,200 B = 3.12 GiB, saving 75.0%
+    assert "| float16 | 800.00 KiB | 12.50 MiB | 12.50 GiB | 3.12 GiB | 75.0% |" in r.stdout
+    assert "| int8 | 400.00 KiB | 6.25 MiB | 6.25 GiB | 1.56 GiB | 75.0% |" in r.stdout
+    # the default model, read from its GGUF metadata: 2 x 30 x 3 x 64 x 2 = 23,040 B = 22.50 KiB per token
+    r = kvpage("estimate", "--batch", "1", "--max-len", "100", "--lengths", "50")
+    assert r.returncode == 0, r.stderr
+    assert "30 layers x 3 kv heads x head_dim 64" in r.stdout and "| bfloat16 | 22.50 KiB | 360.00 KiB |" in r.stdout
+
+
+def test_blocks_advice_matches_hand_computation(tmp_path):
+    f = tmp_path / "lengths.jsonl"
+    f.write_text("\n".join(json.dumps(x) for x in [100, 100, {"length": 300}, {"prompt_len": 200, "output_len": 60}]))
+    r = kvpage("blocks", "--lengths-file", str(f))
+    assert r.returncode == 0, r.stderr
+    # lengths 100, 100, 300, 260: average 190 -> rule max(64, 2^floor(log2(47.5))) = max(64, 32) = 64
+    assert "average length 190.0" in r.stdout and "block_size = 64" in r.stdout
+    # block 16: 7 + 7 + 19 + 17 = 50 blocks = 800 slots for 760 tokens -> waste 5.0%
+    assert "| 16 | 50 | 800 | 5.0% |" in r.stdout
+    assert "least simulated waste with block_size in [16, 256]: block_size = 16, waste 5.0%" in r.stdout
+    assert "blocks to pre-allocate for these sequences at block_size 16: 50" in r.stdout
+    r = kvpage("blocks", "--histogram", "128:10")
+    assert "| 128 | 10 | 1280 | 0.0% |" in r.stdout
+
+
+def test_generate_prints_completions_and_stats():
+    r = kvpage("generate", "The capital of France is", "--max-tokens", "6", "--dtype", "float32",
+               "--num-kv-blocks", "64")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "=== The capital of France is" in r.stdout and "(6 tokens, length)" in r.stdout
+    assert "cache: 0/64 blocks used" in r.stdout
+
+
+def test_chat_streams_and_shows_stats():
+    r = kvpage("chat", "--max-tokens", "8", "--temperature", "0", "--num-kv-blocks", "64",
+               input="What is 2+2?\n/stats\n/exit\n")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "assistant> " in r.stdout and "cache: 0/64 blocks used" in r.stdout
+
+
+def test_bench_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    r = kvpage("bench", "--num-requests", "4", "--input-len", "8:16", "--output-len", "4:8", "--num-kv-blocks", "64",
+               "--output", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["requests"] == 4 and data["failed"] == 0 and 16 <= data["output_tokens"] <= 32
+    assert "| output tokens/s |" in r.stdout
+
+
+def test_core_demo_runs():
+    r = kvpage("core-demo")
+    assert r.returncode == 0 and "copy-on-write copied 2 shared partial blocks" in r.stdout
+
+
+def test_errors_are_one_clear_line():
+    cases = (
+        ["estimate", "--model", "no-such-model"],
+        ["blocks", "--histogram", "abc"],
+        ["generate", "hi", "--block-size", "12"],
+        ["bench", "--input-len", "9:3", "--num-kv-blocks", "8"],
+    )
+    for args in cases:
+        r = kvpage(*args)
+        assert r.returncode == 1, args
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"kvpage {args[0]}: error: "), r.stderr
+
+
+def test_demo_answers_and_reports_the_cache():
+    r = kvpage("demo", "--max-tokens", "6")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("\nQ: ") == 6 and "prefix cache" in r.stdout and "pre-allocated to max_model_len" in r.stdout
+    assert "after the run: 0 blocks used" in r.stdout
