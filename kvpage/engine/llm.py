@@ -94,10 +94,11 @@ class LLM:
 
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         start, generated0 = time.perf_counter(), engine.num_generation_tokens
+        wanted = set(ids)
         try:
             while len(results) < len(ids):
                 for out in engine.step():
-                    if out.finished and out.request_id in set(ids):
+                    if out.finished and out.request_id in wanted:
                         results[out.request_id] = out
                         if bar is not None:
                             bar.update(1)

@@ -325,15 +325,13 @@ class LLMEngine:
             else:
                 used.add(parent.index)
                 new_seqs.append((parent, token))
-        for seq in list(req.live_sequences):
-            if seq.index not in used and all(seq is not s for s, _ in new_seqs):
-                self.scheduler.finish_sequence(req, seq, "stop")
+        keep = {seq.index for seq, _ in new_seqs}
+        for seq in list(req.live_sequences):  # pruned beams (all of them once done): blocks go back now
+            if seq.index not in keep:
+                self.scheduler.finish_sequence(req, seq, "stop" if plan.done else "abort")
         for seq, token in new_seqs:
             self.scheduler.append_token(seq, token)
             self.num_generation_tokens += 1
-        if plan.done:
-            for seq in list(req.live_sequences):
-                self.scheduler.finish_sequence(req, seq, "length")
 
     # ------------------------------------------------------------------ outputs
     def _new_seq_state(self, st: _RequestState, index: int) -> None:
