@@ -65,7 +65,7 @@ def run_kvpage(reqs, dtype: str) -> dict:
     assert sorted(len(t) for t in tokens.values()) == sorted(o for _, o in reqs)
     engine.kv_manager.check_invariants()
     peak = max(s["running"] for s in steps)
-    busy = [s for s in steps if s["running"] >= peak]
+    busy = [s for s in steps if s["running"] >= 0.8 * peak]  # the steps that ran close to the peak batch
     split = {k: sum(s[k] for s in busy) for k in ("total", "forward", "schedule", "prepare", "sample", "copy")}
     return {
         "seconds": elapsed,
@@ -158,7 +158,8 @@ def main() -> None:
         summary.append(f"kvpage / fastest transformers ({best['impl']}): {speedup:.2f}x (target: >= 3x).")
     busy = ours["busy_steps"]
     summary.append(
-        f"kvpage per-step split over the {busy} steps with {ours['peak_running']} running sequences: "
+        f"kvpage per-step split over the {busy} steps with {int(0.8 * ours['peak_running'])}-{ours['peak_running']} "
+        "running sequences: "
         f"forward {sp['forward'] / sp['total']:.1%}, scheduling {sp['schedule'] / sp['total']:.1%}, "
         f"input building {sp['prepare'] / sp['total']:.1%}, sampling + detokenization + stop checks "
         f"{sp['sample'] / sp['total']:.1%}, block copies {sp['copy'] / sp['total']:.1%}; "

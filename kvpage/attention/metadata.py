@@ -31,8 +31,9 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences have exactly one query token
     block_size: int
     # decodes sorted by length and cut into groups, so each group gathers only up to its own longest
-    # context instead of padding every decode to the longest of the batch: (rows, max_len) per group
-    decode_groups: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    # context instead of padding every decode to the longest of the batch: per group (rows, max_len,
+    # bias), bias [rows, 1, padded_len] float32 is 0 for real keys and -inf past each row's length
+    decode_groups: list[tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -66,11 +67,15 @@ class AttentionMetadata:
                 raise ValueError(f"query of {q} tokens in a sequence of {n} with {len(table)} blocks")
             slots.extend(table[t // block_size] * block_size + t % block_size for t in range(n - q, n))
         by_len = sorted(range(num_decodes), key=lambda i: seq_lens[i])
-        groups = [
-            (torch.tensor(by_len[g : g + DECODE_GROUP], dtype=torch.int64, device=device), seq_lens[by_len[g + n - 1]])
-            for g in range(0, num_decodes, DECODE_GROUP)
-            for n in [min(DECODE_GROUP, num_decodes - g)]
-        ]
+        groups = []
+        for g in range(0, num_decodes, DECODE_GROUP):
+            rows = by_len[g : g + DECODE_GROUP]
+            max_len = seq_lens[rows[-1]]
+            padded = -(-max_len // block_size) * block_size
+            lens = torch.tensor([seq_lens[r] for r in rows], device=device)
+            bias = torch.zeros(len(rows), 1, padded, device=device)
+            bias.masked_fill_(torch.arange(padded, device=device)[None, None, :] >= lens[:, None, None], float("-inf"))
+            groups.append((torch.tensor(rows, dtype=torch.int64, device=device), max_len, bias))
         width = max((len(t) for t in block_tables), default=0)
         padded = [t + [0] * (width - len(t)) for t in block_tables]
         return cls(

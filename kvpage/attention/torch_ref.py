@@ -49,8 +49,8 @@ class TorchReferenceBackend:
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        for rows, max_len in meta.decode_groups:
-            out[rows] = self._decode_group(q[rows], rows, max_len, k_cache, v_cache, meta, scale)
+        for rows, max_len, bias in meta.decode_groups:
+            out[rows] = self._decode_group(q[rows], rows, max_len, bias, k_cache, v_cache, meta, scale)
         starts, lens = meta.query_start_loc, meta.seq_lens_list
         for i in range(meta.num_decodes, meta.num_seqs):
             s, e, n = starts[i], starts[i + 1], lens[i]
@@ -79,19 +79,18 @@ class TorchReferenceBackend:
         out = buf[:numel].view(blocks.numel(), *cache_head.shape[1:])
         return torch.index_select(cache_head, 0, blocks, out=out)
 
-    def _decode_group(self, q, rows, max_len, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def _decode_group(self, q, rows, max_len, bias, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         n, bs = rows.numel(), meta.block_size
         kv_heads, d = k_cache.shape[1], k_cache.shape[3]
         nb = -(-max_len // bs)
         blocks = meta.block_tables[rows, :nb].reshape(-1)
-        invalid = torch.arange(nb * bs, device=q.device)[None, None, :] >= meta.seq_lens[rows, None, None]
         group = q.shape[1] // kv_heads
         qg = q.view(n, kv_heads, group, d)
         out = torch.empty(n, kv_heads, group, d, dtype=q.dtype, device=q.device)
         for h in range(kv_heads):
             keys = self._gather("k", k_cache[:, h], blocks).view(n, nb * bs, d)
             values = self._gather("v", v_cache[:, h], blocks).view(n, nb * bs, d)
-            scores = torch.bmm(qg[:, h], keys.transpose(1, 2)).float().mul_(scale)  # [n, group, L]
-            probs = scores.masked_fill_(invalid, float("-inf")).softmax(-1).to(q.dtype)
+            scores = torch.bmm(qg[:, h], keys.transpose(1, 2)).float()  # [n, group, L]
+            probs = torch.add(bias, scores, alpha=scale).softmax(-1).to(q.dtype)  # bias masks the padding
             out[:, h] = torch.bmm(probs, values)
         return out.view(n, -1, d)

@@ -83,9 +83,15 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
     logprobs = None
     if any(r.num_logprobs is not None for r in rows):
         logprobs = torch.log_softmax(logits, dim=-1)
-    for row in rows:
+    # plain greedy rows (no penalty, nothing banned) are one argmax over all of them
+    plain = [i for i, r in enumerate(rows) if r.greedy and not _penalized(r)]
+    argmax = dict(zip(plain, logits[[rows[i].logits_row for i in plain]].argmax(-1).tolist(), strict=True))
+    for i, row in enumerate(rows):
+        if i in argmax:
+            out.append(_with_logprobs(SampledToken(argmax[i]), row, logprobs))
+            continue
         x = logits[row.logits_row]
-        if row.repetition_penalty != 1.0 or row.presence_penalty or row.frequency_penalty or row.banned_token_ids:
+        if _penalized(row):
             x = _apply_penalties(x.clone(), row)
         if row.greedy:
             token = int(torch.argmax(x))
@@ -94,13 +100,20 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, using only this row's generator.
             noise = torch.empty_like(probs).exponential_(generator=row.generator)
             token = int(torch.argmax(probs / noise))
-        st = SampledToken(token)
-        if row.num_logprobs is not None and logprobs is not None:
-            lp = logprobs[row.logits_row]
-            st.logprob = float(lp[token])
-            st.rank = int((lp > lp[token]).sum()) + 1
-            if row.num_logprobs > 0:
-                top = torch.topk(lp, min(row.num_logprobs, lp.numel()))
-                st.top = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-        out.append(st)
+        out.append(_with_logprobs(SampledToken(token), row, logprobs))
     return out
+
+
+def _penalized(row: SamplingRow) -> bool:
+    return bool(row.repetition_penalty != 1.0 or row.presence_penalty or row.frequency_penalty or row.banned_token_ids)
+
+
+def _with_logprobs(st: SampledToken, row: SamplingRow, logprobs: torch.Tensor | None) -> SampledToken:
+    if row.num_logprobs is not None and logprobs is not None:
+        lp = logprobs[row.logits_row]
+        st.logprob = float(lp[st.token_id])
+        st.rank = int((lp > lp[st.token_id]).sum()) + 1
+        if row.num_logprobs > 0:
+            top = torch.topk(lp, min(row.num_logprobs, lp.numel()))
+            st.top = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    return st
