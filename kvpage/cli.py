@@ -11,8 +11,6 @@ import os
 import sys
 from pathlib import Path
 
-ENGINE_DEFAULTS = {"kv_cache_memory": "512MiB"}
-
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
@@ -39,7 +37,7 @@ def _make_llm(args: argparse.Namespace):
     if args.num_kv_blocks is not None:
         kw["num_kv_blocks"] = args.num_kv_blocks
     else:
-        kw["kv_cache_memory"] = args.kv_cache_memory or ENGINE_DEFAULTS["kv_cache_memory"]
+        kw["kv_cache_memory"] = args.kv_cache_memory  # None: the engine's default
     return LLM(args.model, **kw)
 
 

@@ -58,6 +58,9 @@ class Request:
             ids = list(self.prompt_token_ids)
             self.sequences.append(Sequence(f"{self.request_id}#0", 0, ids, len(ids)))
 
+    def sequence(self, seq_id: str) -> Sequence | None:
+        return next((s for s in self.sequences if s.seq_id == seq_id), None)
+
     @property
     def live_sequences(self) -> list[Sequence]:
         return [s for s in self.sequences if not s.finished]

@@ -220,7 +220,7 @@ class Scheduler:
         """The scheduled tokens' KV is written: advance the sequences, register full blocks."""
         for s in out.sequences:
             req = self.requests.get(s.seq_id.rsplit("#", 1)[0])
-            seq = self._find_seq(req, s.seq_id) if req else None
+            seq = req.sequence(s.seq_id) if req else None
             if seq is None or seq.finished:
                 continue
             seq.num_computed = s.seq_len
@@ -262,10 +262,3 @@ class Scheduler:
             queue.remove(req)
         req.status = RequestStatus.FINISHED
         self.requests.pop(req.request_id, None)
-
-    @staticmethod
-    def _find_seq(req: Request, seq_id: str) -> Sequence | None:
-        for s in req.sequences:
-            if s.seq_id == seq_id:
-                return s
-        return None

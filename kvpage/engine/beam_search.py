@@ -39,7 +39,9 @@ class _Hypothesis:
 
 @dataclass(slots=True)
 class BeamPlan:
-    continue_: list[tuple[Sequence, int]]  # (parent beam, token) for each running beam, in rank order
+    # (parent beam, token, index of the new beam) per running beam, in rank order; the first use of a
+    # parent continues it in place (index == parent.index), later uses are forks with fresh indices
+    continue_: list[tuple[Sequence, int, int]]
     done: bool
 
 
@@ -55,11 +57,6 @@ class BeamSearch:
     _pending: dict[int, torch.Tensor] = field(default_factory=dict)
     _next_index: int = 1
     step_no: int = 0
-
-    def next_index(self) -> int:
-        i = self._next_index
-        self._next_index += 1
-        return i
 
     def set_logits(self, seq: Sequence, logits: torch.Tensor) -> None:
         self._pending[seq.index] = logits
@@ -106,22 +103,19 @@ class BeamSearch:
             done = not bool(best > min(h.score for h in self.finished))
         if done:
             return BeamPlan([], True)
-        # new beams: the first use of a parent keeps its index, later uses are forks (indices assigned
-        # by the engine in the same order, via next_index)
-        plan = BeamPlan([(p, tok) for p, tok, _ in running], False)
+        plan = BeamPlan([], False)
         used: set[int] = set()
-        new_order, new_scores = [], {}
-        pending_index = self._next_index
-        for parent, _, score in running:
+        new_scores = {}
+        for parent, token, score in running:
             if parent.index in used:
-                index = pending_index
-                pending_index += 1
+                index = self._next_index
+                self._next_index += 1
             else:
                 used.add(parent.index)
                 index = parent.index
-            new_order.append(index)
+            plan.continue_.append((parent, token, index))
             new_scores[index] = score
-        self.order, self.scores = new_order, new_scores
+        self.order, self.scores = [index for _, _, index in plan.continue_], new_scores
         return plan
 
     def outputs(self, tokenizer, req: Request) -> list[CompletionOutput]:

@@ -216,7 +216,7 @@ class LLMEngine:
             st = self._states.get(req_id)
             if st is None:
                 continue
-            seq = self.scheduler._find_seq(st.request, seq_id)
+            seq = st.request.sequence(seq_id)
             if seq is not None and not seq.finished:
                 by_request.setdefault(req_id, []).append((seq, row))
         now = time.monotonic()
@@ -316,15 +316,10 @@ class LLMEngine:
         plan = beam.step(st.request.live_sequences)
         req = st.request
         # forks first (while every parent still holds its blocks), then appends, then frees
-        new_seqs: list[tuple[Sequence, int]] = []
-        used: set[int] = set()
-        for parent, token in plan.continue_:
-            if parent.index in used:
-                child = self.scheduler.fork(req, parent, beam.next_index())
-                new_seqs.append((child, token))
-            else:
-                used.add(parent.index)
-                new_seqs.append((parent, token))
+        new_seqs = [
+            (parent if index == parent.index else self.scheduler.fork(req, parent, index), token)
+            for parent, token, index in plan.continue_
+        ]
         keep = {seq.index for seq, _ in new_seqs}
         for seq in list(req.live_sequences):  # pruned beams (all of them once done): blocks go back now
             if seq.index not in keep:

@@ -47,8 +47,8 @@ def test_stop_strings_and_stop_token_ids(llm, prompts):
     # pick a stop string that spans two tokens of the greedy text
     tok = llm.get_tokenizer()
     pieces = [tok.decode([t]) for t in full.token_ids]
-    i = next(j for j in range(2, len(pieces)) if len(pieces[j].strip()) >= 2 and len(pieces[j - 1].strip()) >= 2)
-    stop = pieces[j - 1][-1] + pieces[j][:2] if (j := i) else None
+    j = next(j for j in range(2, len(pieces)) if len(pieces[j].strip()) >= 2 and len(pieces[j - 1].strip()) >= 2)
+    stop = pieces[j - 1][-1] + pieces[j][:2]  # the end of one token and the start of the next
     out = llm.generate([prompts[3]], greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == full.text[: full.text.index(stop)] and stop not in out.text
