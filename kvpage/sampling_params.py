@@ -3,10 +3,12 @@ is made; a wrong or unknown field raises ValueError naming it, before any block 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs: at most this many top log-probabilities per position
 
 
 def _check_unknown(cls, kwargs: dict[str, Any], public_name: str) -> None:
@@ -23,11 +25,16 @@ def _int(name: str, v: Any, lo: int | None = None, allow_none: bool = False) -> 
         raise ValueError(f"{name} must be an integer{f' >= {lo}' if lo is not None else ''}, got {v!r}")
 
 
-def _float(name: str, v: Any, lo: float, hi: float, lo_open: bool = False) -> None:
+def _float(name: str, v: Any, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> None:
+    """A finite number (NaN fails every comparison, so it is rejected before the bounds); with `lo`,
+    also in [lo, hi], or (lo, hi] when `lo_open`; `hi` None: no upper bound."""
     if not isinstance(v, int | float) or isinstance(v, bool):
         raise ValueError(f"{name} must be a number, got {v!r}")
-    if v < lo or v > hi or (lo_open and v == lo):
-        raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite number, got {v!r}")
+    if lo is not None and (v < lo or (lo_open and v == lo) or (hi is not None and v > hi)):
+        bound = f"in {'(' if lo_open else '['}{lo}, {hi}]" if hi is not None else f"{'>' if lo_open else '>='} {lo}"
+        raise ValueError(f"{name} must be {bound}, got {v!r}")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -62,14 +69,14 @@ class SamplingParams(_SamplingFields):
 
     def _validate(self) -> None:
         _int("n", self.n, 1)
-        _float("temperature", self.temperature, 0.0, float("inf"))
+        _float("temperature", self.temperature, 0.0)
         _float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         _int("top_k", self.top_k, -1)
         _float("min_p", self.min_p, 0.0, 1.0)
         _int("seed", self.seed, allow_none=True)
         _float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _float("repetition_penalty", self.repetition_penalty, 0.0, float("inf"), lo_open=True)
+        _float("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True)
         _int("max_tokens", self.max_tokens, 1, allow_none=True)
         _int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -85,8 +92,11 @@ class SamplingParams(_SamplingFields):
             or not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids)
         ):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
-        _int("logprobs", self.logprobs, 0, allow_none=True)
-        _int("prompt_logprobs", self.prompt_logprobs, 0, allow_none=True)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _int(name, value, 0, allow_none=True)
+            if value is not None and value > MAX_LOGPROBS:
+                raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -121,7 +131,7 @@ class BeamSearchParams(_BeamFields):
         super().__init__(**kwargs)
         _int("beam_width", self.beam_width, 1)
         _int("max_tokens", self.max_tokens, 1)
-        _float("length_penalty", self.length_penalty, float("-inf"), float("inf"))
+        _float("length_penalty", self.length_penalty)
         if self.temperature != 0.0:
             raise ValueError("temperature must be 0 for beam search (only deterministic beam search is supported)")
         if not isinstance(self.ignore_eos, bool):

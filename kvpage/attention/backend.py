@@ -2,6 +2,12 @@
 
 Backends are chosen by name and imported lazily, so a GPU kernel can be added (and its toolchain
 imported) without the reference backend or the model changing.
+
+The cache a backend is given is one layer's K (or V) of every block, head-major inside a block
+(the layout kvpage/worker/kv_cache.py allocates; see kvpage/attention/torch_ref.py for why):
+
+    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+    slot s = block_id * block_size + offset   ->   k_cache[block_id, :, offset, :]
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim], one layer
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,

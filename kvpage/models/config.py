@@ -39,10 +39,11 @@ class ModelConfig:
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Per token, K and V of every layer, at 2 bytes per element (a float16/bfloat16 cache)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        """Bytes of one token's KV cache: K and V of every layer, at `element_size` bytes per
+        element (4 for float32, 2 for float16 / bfloat16). Grouped-query attention stores only
+        the kv heads: 2 x num_layers x num_kv_heads x head_dim x element_size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -124,7 +124,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # Hugging Face names of weights that we hold fused: (our parameter, HF name, shard index)
+    # Hugging Face weights that we hold fused: HF name part -> (our fused parameter, shard index);
+    # shards are stacked along dim 0 in index order (q, k, v; gate, up)
     _FUSED = {
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", 1),

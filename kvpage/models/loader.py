@@ -9,7 +9,8 @@ A GGUF file is converted once (dequantized, renamed, q/k un-permuted) into a Hug
 under the cache folder ($KVPAGE_CACHE_DIR, else ~/.cache/kvpage), named by the file's path, size and
 modification time; later loads read that directory (safetensors, memory-mapped) in a fraction of the
 time. The conversion is written to a temporary folder and renamed into place, so a crash never
-leaves a half-written cache behind.
+leaves a half-written cache behind. Without a cache (use_cache=False, or a cache folder that cannot
+be written) the conversion goes to a temporary folder that is deleted once the model is built.
 """
 
 from __future__ import annotations
@@ -163,17 +164,15 @@ def load_model(
     path = resolve_model_path(model)
     from_cache = False
     if path.is_file() and path.suffix == ".gguf":
+        if not use_cache:
+            return _load_uncached_gguf(path, torch_dtype, device, backend, t0)
         converted = _converted_dir(path)
-        if use_cache and converted.exists():
-            from_cache = True
-        else:
-            if not use_cache:
-                converted = Path(tempfile.mkdtemp(prefix="kvpage-")) / "model"
+        from_cache = converted.exists()
+        if not from_cache:
             try:
                 convert_gguf(path, converted)
             except OSError:  # the cache folder is not writable: convert into a temporary one
-                converted = Path(tempfile.mkdtemp(prefix="kvpage-")) / "model"
-                convert_gguf(path, converted)
+                return _load_uncached_gguf(path, torch_dtype, device, backend, t0)
         read_from = converted
     elif path.is_dir():
         read_from = path
@@ -182,3 +181,17 @@ def load_model(
     cfg, tokenizer, weights, _ = read_hf_dir(read_from)
     m = build_model(cfg, weights.items(), torch_dtype, device, backend)
     return LoadedModel(m, tokenizer, cfg, str(path), time.perf_counter() - t0, from_cache)
+
+
+def _load_uncached_gguf(path: Path, dtype: torch.dtype, device: str, backend: str, t0: float) -> LoadedModel:
+    """Convert into a temporary directory, load from it exactly as from the cache, then delete it:
+    without a cache, a load must not leave ~0.5 GB of float32 weights behind."""
+    from kvpage.models.hf_loader import read_hf_dir
+
+    with tempfile.TemporaryDirectory(prefix="kvpage-") as tmp:
+        converted = Path(tmp) / "model"
+        convert_gguf(path, converted)
+        cfg, tokenizer, weights, _ = read_hf_dir(converted)
+        m = build_model(cfg, weights.items(), dtype, device, backend)  # copies the weights out of the files
+        del weights
+    return LoadedModel(m, tokenizer, cfg, str(path), time.perf_counter() - t0, False)

@@ -1,1 +1,2 @@
-"""Command-line tools that need no engine: the KV memory estimator and the block-size advisor."""
+"""Command-line tools: the KV memory estimator and the block-size advisor (plain arithmetic, no
+model, no torch), and the throughput benchmark (`kvpage bench`, which drives an engine it is given)."""

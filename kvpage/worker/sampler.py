@@ -6,7 +6,9 @@
            -> others: temperature -> top-k -> top-p -> min-p -> a draw from the row's own generator
 
 Each row draws with its own `torch.Generator` (seeded per request and sample), so a seeded
-request gives the same tokens whatever else is in the batch.
+request gives the same tokens whatever else is in the batch. The random numbers are drawn on the
+generator's device (the engine's generators are CPU ones) and moved to the logits' device, so a
+seed gives the same draws whether the logits live on the CPU or on a GPU.
 """
 
 from __future__ import annotations
@@ -47,15 +49,17 @@ class SampledToken:
 
 def _apply_penalties(x: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     if row.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.int64)
+        seen_ids = sorted(set(row.prompt_token_ids) | set(row.output_token_ids))
+        seen = torch.tensor(seen_ids, dtype=torch.int64, device=x.device)
         if seen.numel():
             vals = x[seen]
             x[seen] = torch.where(vals > 0, vals / row.repetition_penalty, vals * row.repetition_penalty)
     if (row.presence_penalty or row.frequency_penalty) and row.output_token_ids:
-        counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.int64), minlength=x.numel())
+        out_ids = torch.tensor(row.output_token_ids, dtype=torch.int64, device=x.device)
+        counts = torch.bincount(out_ids, minlength=x.numel())
         x -= row.frequency_penalty * counts.to(x.dtype) + row.presence_penalty * (counts > 0).to(x.dtype)
     if row.banned_token_ids:
-        x[torch.tensor(row.banned_token_ids, dtype=torch.int64)] = float("-inf")
+        x[torch.tensor(row.banned_token_ids, dtype=torch.int64, device=x.device)] = float("-inf")
     return x
 
 
@@ -98,10 +102,21 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         else:
             probs = _filter(x, row).softmax(-1)
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, using only this row's generator.
-            noise = torch.empty_like(probs).exponential_(generator=row.generator)
+            noise = exponential_noise(probs.numel(), row.generator, probs.device, probs.dtype)
             token = int(torch.argmax(probs / noise))
         out.append(_with_logprobs(SampledToken(token), row, logprobs))
     return out
+
+
+def exponential_noise(
+    num: int, generator: torch.Generator | None, device: str | torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """`num` draws of Exp(1) from `generator`, returned on `device`. They are drawn where the
+    generator lives (without one: on `device`, from torch's default generator), so the values
+    depend on the seed only, never on where the logits are."""
+    where = generator.device if generator is not None else device
+    noise = torch.empty(num, dtype=dtype, device=where).exponential_(generator=generator)
+    return noise.to(device)
 
 
 def _penalized(row: SamplingRow) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -179,3 +180,25 @@ def test_smollm2_tokenizer_matches_transformers_on_text(smollm2):
         assert smollm2.tokenizer.encode(text) == hf_tok.encode(text, add_special_tokens=False), text
     digits = smollm2.tokenizer.encode("1234")
     assert [smollm2.tokenizer.decode([t]) for t in digits] == ["1", "2", "3", "4"]
+
+
+@pytest.mark.parametrize("unwritable_cache", [False, True], ids=["use_cache=False", "unwritable-cache"])
+def test_load_without_a_cache_leaves_no_temporary_files(tmp_path, monkeypatch, unwritable_cache):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, {"blk.0.attn_q.weight": Q.Q8_0})
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    (tmp_path / "a-file").write_text("")
+    # under a plain file, the cache folder cannot be created, even by root
+    cache = tmp_path / "a-file" / "cache" if unwritable_cache else tmp_path / "cache"
+    monkeypatch.setenv("KVPAGE_CACHE_DIR", str(cache))
+    loads = [load_model(str(path), use_cache=unwritable_cache) for _ in range(2)]
+    assert [lm.from_cache for lm in loads] == [False, False]
+    assert list(scratch.iterdir()) == [] and not cache.exists()  # nothing left behind, nothing cached
+    monkeypatch.setenv("KVPAGE_CACHE_DIR", str(tmp_path / "good-cache"))
+    cached = load_model(str(path))  # the same weights as through the normal cache
+    p0, p1 = dict(loads[0].model.named_parameters()), dict(cached.model.named_parameters())
+    assert all(torch.equal(p0[k], p1[k]) for k in p1) and p0.keys() == p1.keys()
+    assert loads[0].tokenizer.encode("hehe!") == cached.tokenizer.encode("hehe!") == [256, 256, ord("!")]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from kvpage.worker.sampler import SamplingRow, _apply_penalties, _filter, sample
+from kvpage.worker.sampler import SamplingRow, _apply_penalties, _filter, exponential_noise, sample
 
 
 def row(**kw) -> SamplingRow:
@@ -65,3 +66,33 @@ def test_sampling_follows_the_distribution_and_the_generator():
     batched = [sample(two, [row(logits_row=1, generator=torch.Generator()), row(generator=g2)])[1].token_id
                for _ in range(20)]  # fmt: skip
     assert alone == batched
+
+
+def test_random_draws_depend_on_the_seed_not_on_the_logits_device():
+    old = torch.empty(6).exponential_(generator=torch.Generator().manual_seed(3))  # the draw before the fix
+    g = torch.Generator().manual_seed(3)
+    on_cpu = exponential_noise(6, g, "cpu")
+    assert on_cpu.device.type == "cpu" and on_cpu.dtype == torch.float32 and torch.equal(on_cpu, old)
+    assert torch.equal(exponential_noise(6, torch.Generator().manual_seed(3), torch.device("cpu")), old)
+    # a CPU generator serves logits on any device: the draw still comes from it, and moves there
+    g_meta, g_cpu = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    on_meta = exponential_noise(6, g_meta, "meta")
+    assert on_meta.device.type == "meta" and on_meta.shape == (6,)
+    exponential_noise(6, g_cpu, "cpu")
+    assert torch.equal(g_meta.get_state(), g_cpu.get_state())  # the generator advanced exactly as on the CPU
+    assert torch.equal(exponential_noise(4, g_meta, "cpu"), exponential_noise(4, g_cpu, "cpu"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sampling_logits_on_cuda_gives_the_cpu_tokens():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    settings = [
+        dict(temperature=0.8, top_k=10),
+        dict(temperature=1.0, top_p=0.9, repetition_penalty=1.3, prompt_token_ids=[1, 2], output_token_ids=[3, 3]),
+        dict(temperature=0.0, frequency_penalty=0.5, output_token_ids=[7], banned_token_ids=[4], num_logprobs=2),
+    ]
+    results = []
+    for device in ("cpu", "cuda"):
+        rows = [row(logits_row=i, generator=torch.Generator().manual_seed(i), **kw) for i, kw in enumerate(settings)]
+        results.append([(t.token_id, t.rank) for t in sample(logits.to(device), rows)])
+    assert results[0] == results[1]
