@@ -35,8 +35,9 @@ def bench(num_blocks: int, num_live: int, ops: int) -> dict[str, float]:
     for i in range(num_live):
         prompt = shared + [next(uid) for _ in range(4)] if i % 2 else [next(uid) for _ in range(20)]
         p = mgr.find_cached_prefix(prompt)
-        mgr.allocate_slots(f"live{i}", prompt[p.num_tokens :], p)
-        mgr.mark_computed(f"live{i}", len(prompt))
+        mgr.allocate_slots(f"live{i}", len(prompt) - p.num_tokens, p)
+        mgr.cache_blocks(f"live{i}", prompt, len(prompt))
+        mgr.commit()
     live = [f"live{i}" for i in range(num_live)]
     n = min(ops, (mgr.pool.num_free - 8) // 3)
     out: dict[str, float] = {}
@@ -50,15 +51,14 @@ def bench(num_blocks: int, num_live: int, ops: int) -> dict[str, float]:
         gc.enable()
 
     new = [f"new{i}" for i in range(n)]
-    prompts = {s: [next(uid) for _ in range(20)] for s in new}
-    timed("allocate", lambda s: mgr.allocate_slots(s, prompts[s]), new)
+    timed("allocate", lambda s: mgr.allocate_slots(s, 20), new)
     timed("free", mgr.free, new)
 
     hit_prompts = {s: shared + [next(uid)] for s in new}
 
     def hit(s):
         p = mgr.find_cached_prefix(hit_prompts[s])
-        mgr.allocate_slots(s, hit_prompts[s][p.num_tokens :], p)
+        mgr.allocate_slots(s, len(hit_prompts[s]) - p.num_tokens, p)
 
     timed("hit", hit, new)
     for s in new:
@@ -70,7 +70,7 @@ def bench(num_blocks: int, num_live: int, ops: int) -> dict[str, float]:
         mgr.free(c)
 
     targets = [live[i % num_live] for i in range(n)]
-    timed("append", lambda s: mgr.allocate_slots(s, [7]), targets)
+    timed("append", lambda s: mgr.allocate_slots(s, 1), targets)
     mgr.check_invariants()
     return out
 

@@ -62,10 +62,10 @@ def step_for(kind: str, batch: int, mgr: KVCacheManager) -> SchedulerOutput:
     seqs = []
     if kind == "decode":
         for i in range(batch):
-            mgr.allocate_slots(f"s{i}", [1] * (CONTEXT + 1))
+            mgr.allocate_slots(f"s{i}", CONTEXT + 1)
             seqs.append(ScheduledSequence(f"s{i}", [1], CONTEXT, mgr.block_table(f"s{i}")))
     else:
-        mgr.allocate_slots("p", list(range(PREFILL)))
+        mgr.allocate_slots("p", PREFILL)
         seqs.append(ScheduledSequence("p", list(range(PREFILL)), 0, mgr.block_table("p")))
     return SchedulerOutput(seqs)
 

@@ -1,8 +1,9 @@
-"""`kvpage demo`: the paged KV-cache core at work on synthetic requests (no model, no torch).
+"""`kvpage core-demo`: the paged KV-cache core at work on synthetic requests (no model, no torch).
 
-Several requests share a system prompt (prefix caching), one is forked into parallel samples
-(copy-on-write), all decode a few tokens, some finish. The block tables, a map of the pool and the
-cache statistics are printed before and after.
+Four requests share a system prompt (prefix caching); one is forked into three parallel samples
+(copy-on-write); every sequence decodes 12 tokens; two requests finish; a new request finds the
+system prompt in the prefix cache; then everything finishes. After each stage the block tables, a
+map of the pool and the cache statistics are printed, and the manager's invariants are checked.
 """
 
 from __future__ import annotations
@@ -64,26 +65,31 @@ def run_demo(block_size: int = 8, num_blocks: int = 40, max_len: int = 128, seed
     print("pool map legend: '.' free  'c' free but cached  digit = reference count of a used block")
 
     prompts = {f"req-{i}": SYSTEM_PROMPT + [rng.randrange(1000, 2000) for _ in range(5 + 3 * i)] for i in range(4)}
+    tokens = {seq_id: list(prompt) for seq_id, prompt in prompts.items()}  # the requests own their tokens
     for seq_id, prompt in prompts.items():
         prefix = mgr.find_cached_prefix(prompt)
-        if mgr.allocate_slots(seq_id, prompt[prefix.num_tokens :], prefix) is None:
+        if mgr.allocate_slots(seq_id, len(prompt) - prefix.num_tokens, prefix) is None:
             raise RuntimeError("demo pool too small")
-        mgr.mark_computed(seq_id, len(prompt))  # the model would have written the prompt's KV here
+        mgr.cache_blocks(seq_id, prompt, len(prompt))  # the model writes the prompt's KV in this step
+        mgr.commit()
     show("after prefill: four requests share the system prompt's blocks", mgr, max_len)
 
     samples = [f"req-1/s{j}" for j in range(1, 3)]
     for child in samples:
         mgr.fork("req-1", child)
+        tokens[child] = list(tokens["req-1"])
     show("req-1 forked into 3 parallel samples (every block shared, nothing copied)", mgr, max_len)
 
     copies = []
     for _ in range(12):  # decode: one token per sequence per step
         for seq_id in mgr.seq_ids():
-            alloc = mgr.allocate_slots(seq_id, [rng.randrange(1000, 2000)])
+            tokens[seq_id].append(rng.randrange(1000, 2000))
+            alloc = mgr.allocate_slots(seq_id, 1)
             if alloc is None:
                 raise RuntimeError("demo pool too small")
             copies += alloc.copies
-            mgr.mark_computed(seq_id, mgr.num_tokens(seq_id))
+            mgr.cache_blocks(seq_id, tokens[seq_id], mgr.num_tokens(seq_id))
+        mgr.commit()
     show(f"after 12 decode steps: copy-on-write copied {len(copies)} shared partial blocks {copies}", mgr, max_len)
 
     for seq_id in ("req-0", "req-2"):

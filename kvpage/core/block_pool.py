@@ -109,6 +109,16 @@ class BlockPool:
         for block in reversed(list(blocks)):
             self.decref(block)
 
+    def uncache(self, block: Block) -> None:
+        """Forget a registered block's content (its KV turned out never to be written)."""
+        if block.cache_key is None:
+            return
+        if block.ref_count == 0:
+            self.num_cached_free -= 1
+        if self.prefix_cache is not None:
+            self.prefix_cache.evict(block)
+        block.cache_key = None
+
     def add_tokens(self, block: Block, n: int) -> None:
         """Record that `n` more slots of an in-use block now hold tokens."""
         block.num_tokens += n

@@ -2,29 +2,41 @@
 
 What the scheduler calls (plain data in, plain data out):
 
-    prefix = find_cached_prefix(token_ids, cache_salt)   -> CachedPrefix (hit blocks, tokens covered)
-    alloc  = allocate_slots(seq_id, new_token_ids, prefix) -> SlotAllocation, or None when no room
-    mark_computed(seq_id, num_tokens)                    the KV of the first num_tokens is written
+    adm    = check_admission(token_lists, cache_salt)     -> Admission (now / later / never, and the plan)
+    admit(seq_ids, token_lists, adm)                      a request's sequences enter, sharing blocks
+    alloc  = allocate_slots(seq_id, num_new_tokens)       -> SlotAllocation, or None when no room
+    cache_blocks(seq_id, token_ids, num_tokens)           full blocks among the first num_tokens become hits
+    commit() / discard_uncommitted()                      the step ran / the step failed
     free(seq_id)
 
-and, for parallel sampling, beam search and preemption: `fork`, `swap_out`, `swap_in`,
-`check_admission`. A block table grows one block at a time as tokens arrive; nothing is reserved
-up to a maximum length. Each sequence's table obeys
+and, for parallel sampling, beam search and preemption: `fork`, `swap_out`, `swap_in`. The manager
+owns blocks, not tokens: token ids belong to the request and are passed in where content matters
+(hashing a full block). A block table grows one block at a time; nothing is reserved up to a
+maximum length. Each sequence's table obeys
 
-    len(block_table) == ceil(num_tokens / block_size)
+    len(block_table) == ceil(num_tokens / block_size)        num_tokens: tokens with a slot
 
 and token t sits in slot `block_table[t // B] * B + t % B` (see `slot_mapping`).
+
+In-batch prefix sharing: `cache_blocks` registers a full block as soon as the step that writes its
+KV is scheduled, so a sequence admitted later in the same step hits it. That is safe because every
+layer writes all of a step's new K/V before any sequence attends. Registrations wait in an
+"uncommitted" list until `commit()`; if the step fails, `discard_uncommitted()` forgets them so no
+one can hit a block whose KV was never written.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from kvpage.core.admission import Admission, AdmissionStatus
 from kvpage.core.block_pool import Block, BlockPool
 from kvpage.core.cache_stats import CacheStats
 from kvpage.core.prefix_cache import CacheKey, PrefixCache, extra_keys_for, hash_block
+
+SeqId = Hashable  # opaque to the manager: the scheduler uses (request_id, index)
 
 
 class InvariantError(AssertionError):
@@ -51,15 +63,23 @@ class SlotAllocation:
 @dataclass(slots=True)
 class _Sequence:
     block_ids: list[int]
-    token_ids: list[int]
+    num_tokens: int  # tokens with a slot
     cache_salt: str | None
-    block_hashes: list[bytes]  # chain digests of leading full, computed blocks
+    block_hashes: list[bytes]  # chain digests of leading full blocks (as far as they were hashed)
     num_registered: int = 0  # leading blocks already offered to the prefix cache
     on_cpu: bool = False
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class KVCacheManager:
@@ -79,43 +99,41 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, block_size, self.prefix_cache)
         self.cpu_pool = BlockPool(num_cpu_blocks, block_size)
         self.watermark_blocks = int(watermark * num_blocks)
-        self._seqs: dict[str, _Sequence] = {}
+        self._seqs: dict[SeqId, _Sequence] = {}
         self._num_logical = 0  # sum of GPU block-table lengths
         self._num_swapped = 0
+        self._uncommitted: list[Block] = []  # registered by the step being run
 
     # ------------------------------------------------------------------ queries
     @property
     def enable_prefix_caching(self) -> bool:
         return self.prefix_cache is not None
 
-    def has_sequence(self, seq_id: str) -> bool:
+    def has_sequence(self, seq_id: SeqId) -> bool:
         return seq_id in self._seqs
 
-    def is_swapped(self, seq_id: str) -> bool:
+    def is_swapped(self, seq_id: SeqId) -> bool:
         return self._seq(seq_id).on_cpu
 
-    def block_table(self, seq_id: str) -> list[int]:
+    def block_table(self, seq_id: SeqId) -> list[int]:
         return list(self._seq(seq_id).block_ids)
 
-    def num_tokens(self, seq_id: str) -> int:
-        return len(self._seq(seq_id).token_ids)
+    def num_tokens(self, seq_id: SeqId) -> int:
+        return self._seq(seq_id).num_tokens
 
-    def token_ids(self, seq_id: str) -> list[int]:
-        return list(self._seq(seq_id).token_ids)
-
-    def slot_mapping(self, seq_id: str, start: int, end: int) -> list[int]:
+    def slot_mapping(self, seq_id: SeqId, start: int, end: int) -> list[int]:
         """Physical slots of tokens [start, end) of a GPU-resident sequence."""
         seq = self._seq(seq_id)
-        if not 0 <= start <= end <= len(seq.token_ids):
-            raise IndexError(f"tokens [{start}, {end}) outside a sequence of {len(seq.token_ids)}")
+        if not 0 <= start <= end <= seq.num_tokens:
+            raise IndexError(f"tokens [{start}, {end}) outside a sequence of {seq.num_tokens}")
         bs, table = self.block_size, seq.block_ids
         return [table[t // bs] * bs + t % bs for t in range(start, end)]
 
-    def seq_ids(self) -> list[str]:
+    def seq_ids(self) -> list[SeqId]:
         return list(self._seqs)
 
     # ------------------------------------------------------------------ prefix cache
-    def find_cached_prefix(self, token_ids: list[int], cache_salt: str | None = None) -> CachedPrefix:
+    def find_cached_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> CachedPrefix:
         """Leading full blocks of `token_ids` already in the cache. The last token is never served
         from cache (its logits must be computed), so at most (len - 1) // block_size blocks hit."""
         prefix = CachedPrefix([], [], 0, len(token_ids), cache_salt)
@@ -134,62 +152,138 @@ class KVCacheManager:
         prefix.num_tokens = len(prefix.block_ids) * bs
         return prefix
 
-    def mark_computed(self, seq_id: str, num_tokens: int) -> None:
-        """The KV of the sequence's first `num_tokens` tokens is written: register its full blocks."""
+    def cache_blocks(self, seq_id: SeqId, token_ids: Sequence[int], num_tokens: int) -> None:
+        """The KV of the sequence's first `num_tokens` tokens (`token_ids[:num_tokens]`) is written,
+        or is being written by the step now scheduled: register its full blocks as prefix-cache hits."""
         seq = self._seq(seq_id)
-        if num_tokens > len(seq.token_ids):
-            raise IndexError(f"{num_tokens} computed tokens but the sequence has {len(seq.token_ids)}")
+        if num_tokens > seq.num_tokens:
+            raise IndexError(f"{num_tokens} cached tokens but the sequence has slots for {seq.num_tokens}")
+        if num_tokens > len(token_ids):
+            raise IndexError(f"{num_tokens} cached tokens but only {len(token_ids)} token ids were given")
         if self.prefix_cache is None or seq.on_cpu:
             return
         bs, num_full = self.block_size, num_tokens // self.block_size
         for i in range(seq.num_registered, num_full):
-            chunk = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             parent = seq.block_hashes[i - 1] if i else None
             if i == len(seq.block_hashes):
                 seq.block_hashes.append(hash_block(parent, chunk, extra_keys_for(i, seq.cache_salt)))
+            block = self.pool.blocks[seq.block_ids[i]]
             key = CacheKey(seq.block_hashes[i], parent, chunk, extra_keys_for(i, seq.cache_salt))
-            self.prefix_cache.register(self.pool.blocks[seq.block_ids[i]], key)
+            if self.prefix_cache.register(block, key):
+                self._uncommitted.append(block)
         seq.num_registered = max(seq.num_registered, num_full)
 
+    def commit(self) -> None:
+        """The scheduled step ran: every block registered for it now holds its KV."""
+        self._uncommitted.clear()
+
+    def discard_uncommitted(self) -> None:
+        """The scheduled step failed: forget the blocks registered for it (their KV was never written).
+        Call before freeing the step's sequences."""
+        for block in self._uncommitted:
+            if block.cache_key is not None:
+                self.pool.uncache(block)
+        for seq in self._seqs.values():  # re-registration must start where the valid blocks end
+            while seq.num_registered and self.pool.blocks[seq.block_ids[seq.num_registered - 1]].cache_key is None:
+                seq.num_registered -= 1
+        self._uncommitted.clear()
+
     # ------------------------------------------------------------------ admission
-    def check_admission(self, num_tokens: int, prefix: CachedPrefix | None = None) -> Admission:
-        """Could a new sequence of `num_tokens` tokens get its blocks now, later, or never?
-        NOW keeps `watermark_blocks` free for running sequences to grow into; NEVER means it would
-        not fit even in an empty pool."""
+    def check_admission(
+        self,
+        token_lists: Sequence[Sequence[int]],
+        cache_salt: str | None = None,
+        *,
+        use_prefix_cache: bool = True,
+        keep_watermark: bool = True,
+    ) -> Admission:
+        """Could a request whose live sequences hold `token_lists` (lead first) get all their slots
+        now, later, or never? NOW keeps `watermark_blocks` free for running sequences to grow into
+        when `keep_watermark`; NEVER means it would not fit even in an empty pool, cache hits or not.
+        The plan (lead's hits, blocks each sequence shares with the lead) is valid until the pool
+        changes: pass it straight to `admit`."""
+        if not token_lists or not all(token_lists):
+            raise ValueError("a request needs at least one sequence of at least one token")
+        bs, lead = self.block_size, token_lists[0]
+        prefix = self.find_cached_prefix(lead, cache_salt) if use_prefix_cache else CachedPrefix([], [], 0, 0)
+        prefix.cache_salt = cache_salt
+        shared = [0] + [min(_common_prefix(lead, t), len(t) - 1) // bs for t in token_lists[1:]]
+        total = _cdiv(len(lead), bs) + sum(_cdiv(len(t), bs) - m for t, m in zip(token_lists[1:], shared[1:]))
         hits = self._prefix_blocks(prefix)
-        total_needed = _cdiv(num_tokens, self.block_size)
-        needed = total_needed - len(hits)
-        available = self.pool.num_free - sum(b.ref_count == 0 for b in hits) - self.watermark_blocks
-        if total_needed > self.pool.num_total:
+        needed = total - len(hits)
+        available = self.pool.num_free - sum(b.ref_count == 0 for b in hits)
+        available -= self.watermark_blocks if keep_watermark else 0
+        if total > self.pool.num_total:
+            seqs = f"its {len(token_lists)} sequences need" if len(token_lists) > 1 else "it needs"
             reason = (
-                f"needs {total_needed} blocks of {self.block_size} tokens for {num_tokens} tokens, "
+                f"{seqs} {total} blocks of {bs} tokens for {sum(map(len, token_lists))} tokens, "
                 f"but the whole cache holds {self.pool.num_total} blocks"
             )
-            return Admission(AdmissionStatus.NEVER, needed, available, reason)
+            return Admission(AdmissionStatus.NEVER, needed, available, reason, prefix, shared)
         status = AdmissionStatus.NOW if needed <= available else AdmissionStatus.LATER
-        return Admission(status, needed, available)
+        return Admission(status, needed, available, None, prefix, shared)
 
-    def num_blocks_needed(self, seq_id: str, num_new_tokens: int) -> int:
-        """Blocks `allocate_slots(seq_id, <num_new_tokens tokens>)` would take, copy-on-write included."""
+    def admit(self, seq_ids: Sequence[SeqId], token_lists: Sequence[Sequence[int]], adm: Admission) -> None:
+        """Create a request's sequences with slots for all their tokens, as `check_admission` planned
+        (it must have answered NOW, with nothing allocated since). Nothing is registered: the caller
+        registers what each step computes with `cache_blocks`."""
+        if adm.status is not AdmissionStatus.NOW or not len(adm.shared_blocks) == len(seq_ids) == len(token_lists):
+            raise RuntimeError("admit() needs a NOW admission for exactly these sequences")
+        if adm.blocks_needed > self.pool.num_free - sum(b.ref_count == 0 for b in self._prefix_blocks(adm.prefix)):
+            raise RuntimeError("stale Admission: the pool changed since check_admission")
+        taken = [s for s in seq_ids if s in self._seqs]
+        if taken or len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"admit() needs new, distinct sequence ids; got {list(seq_ids)!r}")
+        lead, lead_tokens = seq_ids[0], token_lists[0]
+        prefix = adm.prefix
+        self._create(lead, prefix)
+        self._grow(self._seqs[lead], len(lead_tokens) - prefix.num_tokens)  # type: ignore[union-attr]
+        for seq_id, tokens, m in zip(seq_ids[1:], token_lists[1:], adm.shared_blocks[1:], strict=True):
+            self.fork(lead, seq_id, num_blocks=m)
+            self._grow(self._seqs[seq_id], len(tokens) - m * self.block_size)
+
+    def num_blocks_needed(self, seq_id: SeqId, num_new_tokens: int) -> int:
+        """Blocks `allocate_slots(seq_id, num_new_tokens)` would take, copy-on-write included."""
         seq = self._seq(seq_id)
-        n = len(seq.token_ids)
+        n = seq.num_tokens
         if num_new_tokens <= 0:
             return 0
         copy_last = n % self.block_size != 0 and self.pool.blocks[seq.block_ids[-1]].ref_count > 1
         return _cdiv(n + num_new_tokens, self.block_size) - len(seq.block_ids) + copy_last
 
-    def num_blocks_to_swap_in(self, seq_ids: list[str]) -> int:
+    def num_blocks_to_grow(self, growth: Sequence[tuple[SeqId, int]]) -> int:
+        """Blocks that `allocate_slots(seq_id, n)` for each (seq_id, n), in this order, would take.
+        Exact for sequences sharing a partly filled last block: of r appenders to a block that R
+        tables hold, r - 1 copy it, and the last one copies too only if someone else still holds it."""
+        bs, total = self.block_size, 0
+        appenders: Counter[int] = Counter()
+        for seq_id, n in growth:
+            seq = self._seq(seq_id)
+            if n <= 0:
+                continue
+            total += _cdiv(seq.num_tokens + n, bs) - len(seq.block_ids)
+            if seq.num_tokens % bs:
+                appenders[seq.block_ids[-1]] += 1
+        for block_id, r in appenders.items():
+            total += r - 1 + (self.pool.blocks[block_id].ref_count > r)
+        return total
+
+    def num_blocks_to_swap_in(self, seq_ids: Sequence[SeqId]) -> int:
         return len({b for s in seq_ids for b in self._seq(s).block_ids})
 
     # ------------------------------------------------------------------ allocation
     def allocate_slots(
-        self, seq_id: str, new_token_ids: list[int], prefix: CachedPrefix | None = None
+        self, seq_id: SeqId, num_new_tokens: int, prefix: CachedPrefix | None = None
     ) -> SlotAllocation | None:
-        """Give `new_token_ids` slots at the end of the sequence, creating it on first use (from
-        `prefix`, whose blocks it then shares). Returns None, changing nothing, when the pool lacks
-        room. Appending into a shared, partly filled last block first copies it (copy-on-write)."""
+        """Give `num_new_tokens` more tokens slots at the end of the sequence, creating it on first
+        use (from `prefix`, whose blocks it then shares). Returns None, changing nothing, when the
+        pool lacks room. Appending into a shared, partly filled last block first copies it
+        (copy-on-write)."""
         pool, bs = self.pool, self.block_size
         seq = self._seqs.get(seq_id)
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if seq is None:
             hits = self._prefix_blocks(prefix)
             num_old, table_len = len(hits) * bs, len(hits)
@@ -200,45 +294,17 @@ class KVCacheManager:
                 raise ValueError(f"sequence {seq_id!r} exists already; a prefix only starts one")
             if seq.on_cpu:
                 raise RuntimeError(f"sequence {seq_id!r} is swapped out; swap it in first")
-            num_old, table_len, num_reserved = len(seq.token_ids), len(seq.block_ids), 0
-            copy_last = bool(new_token_ids) and num_old % bs != 0 and pool.blocks[seq.block_ids[-1]].ref_count > 1
-        num_new_blocks = _cdiv(num_old + len(new_token_ids), bs) - table_len
+            num_old, table_len, num_reserved = seq.num_tokens, len(seq.block_ids), 0
+            copy_last = num_new_tokens > 0 and num_old % bs != 0 and pool.blocks[seq.block_ids[-1]].ref_count > 1
+        num_new_blocks = _cdiv(num_old + num_new_tokens, bs) - table_len
         if num_new_blocks + copy_last > pool.num_free - num_reserved:
             return None
-
         # Committed from here on: nothing below can fail.
         if seq is None:
-            for block in hits:
-                pool.incref(block)
-            seq = _Sequence(
-                block_ids=[b.block_id for b in hits],
-                token_ids=[t for b in hits for t in b.cache_key.token_ids],  # type: ignore[union-attr]
-                cache_salt=prefix.cache_salt if prefix else None,
-                block_hashes=list(prefix.block_hashes) if prefix else [],
-                num_registered=len(hits),
-            )
-            self._seqs[seq_id] = seq
-            self._num_logical += len(hits)
-            if prefix is not None and self.prefix_cache is not None:
-                self.prefix_cache.num_query_tokens += prefix.num_query_tokens
-                self.prefix_cache.num_hit_tokens += prefix.num_tokens
-        alloc = SlotAllocation(new_block_ids=[])
-        if copy_last:
-            old = pool.blocks[seq.block_ids[-1]]
-            (new,) = pool.allocate(1)  # type: ignore[misc]
-            pool.add_tokens(new, old.num_tokens)
-            pool.decref(old)
-            seq.block_ids[-1] = new.block_id
-            alloc.copies.append((old.block_id, new.block_id))
-        fresh = pool.allocate(num_new_blocks) or []
-        seq.block_ids.extend(b.block_id for b in fresh)
-        alloc.new_block_ids = [b.block_id for b in fresh]
-        self._num_logical += num_new_blocks
-        self._fill(pool, seq, num_old, len(new_token_ids))
-        seq.token_ids.extend(new_token_ids)
-        return alloc
+            seq = self._create(seq_id, prefix)
+        return self._grow(seq, num_new_tokens)
 
-    def free(self, seq_id: str) -> None:
+    def free(self, seq_id: SeqId) -> None:
         """Release a finished or aborted sequence; its blocks go back tail first."""
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
@@ -249,36 +315,87 @@ class KVCacheManager:
             self.pool.free(self.pool.blocks[b] for b in seq.block_ids)
             self._num_logical -= len(seq.block_ids)
 
-    def fork(self, parent_id: str, child_id: str) -> None:
-        """Make `child_id` share every block of `parent_id` (parallel samples, beams)."""
+    def fork(self, parent_id: SeqId, child_id: SeqId, num_blocks: int | None = None) -> None:
+        """Make `child_id` share the first `num_blocks` blocks of `parent_id` (all of them by default:
+        parallel samples, beams); a partial share covers full blocks only."""
         parent = self._seq(parent_id)
         if parent.on_cpu:
             raise RuntimeError(f"sequence {parent_id!r} is swapped out; swap it in before forking")
         if child_id in self._seqs:
             raise ValueError(f"sequence {child_id!r} exists already")
-        for b in parent.block_ids:
+        bs = self.block_size
+        if num_blocks is None:
+            num_blocks, num_tokens = len(parent.block_ids), parent.num_tokens
+        else:
+            if not 0 <= num_blocks <= parent.num_tokens // bs:
+                raise ValueError(f"cannot share {num_blocks} full blocks of a sequence of {parent.num_tokens} tokens")
+            num_tokens = num_blocks * bs
+        shared = parent.block_ids[:num_blocks]
+        for b in shared:
             self.pool.incref(self.pool.blocks[b])
         self._seqs[child_id] = _Sequence(
-            block_ids=list(parent.block_ids),
-            token_ids=list(parent.token_ids),
+            block_ids=list(shared),
+            num_tokens=num_tokens,
             cache_salt=parent.cache_salt,
-            block_hashes=list(parent.block_hashes),
-            num_registered=parent.num_registered,
+            block_hashes=parent.block_hashes[:num_blocks],
+            num_registered=min(parent.num_registered, num_blocks),
         )
-        self._num_logical += len(parent.block_ids)
+        self._num_logical += len(shared)
+
+    def _create(self, seq_id: SeqId, prefix: CachedPrefix | None) -> _Sequence:
+        hits = self._prefix_blocks(prefix)
+        for block in hits:
+            self.pool.incref(block)
+        seq = _Sequence(
+            block_ids=[b.block_id for b in hits],
+            num_tokens=len(hits) * self.block_size,
+            cache_salt=prefix.cache_salt if prefix else None,
+            block_hashes=list(prefix.block_hashes) if prefix else [],
+            num_registered=len(hits),
+        )
+        self._seqs[seq_id] = seq
+        self._num_logical += len(hits)
+        if prefix is not None and self.prefix_cache is not None and prefix.num_query_tokens:
+            self.prefix_cache.num_query_tokens += prefix.num_query_tokens
+            self.prefix_cache.num_hit_tokens += prefix.num_tokens
+        return seq
+
+    def _grow(self, seq: _Sequence, num_new_tokens: int) -> SlotAllocation:
+        """Slots for `num_new_tokens` more tokens (the caller checked there is room)."""
+        pool, bs = self.pool, self.block_size
+        alloc = SlotAllocation(new_block_ids=[])
+        if num_new_tokens > 0 and seq.num_tokens % bs and pool.blocks[seq.block_ids[-1]].ref_count > 1:
+            old = pool.blocks[seq.block_ids[-1]]
+            (new,) = pool.allocate(1)  # type: ignore[misc]
+            pool.add_tokens(new, old.num_tokens)
+            pool.decref(old)
+            seq.block_ids[-1] = new.block_id
+            alloc.copies.append((old.block_id, new.block_id))
+        num_new_blocks = _cdiv(seq.num_tokens + num_new_tokens, bs) - len(seq.block_ids)
+        fresh = pool.allocate(num_new_blocks) or []
+        seq.block_ids.extend(b.block_id for b in fresh)
+        alloc.new_block_ids = [b.block_id for b in fresh]
+        self._num_logical += num_new_blocks
+        pos, end = seq.num_tokens, seq.num_tokens + num_new_tokens  # count the tokens into their blocks
+        while pos < end:
+            take = min(end, (pos // bs + 1) * bs) - pos
+            pool.add_tokens(pool.blocks[seq.block_ids[pos // bs]], take)
+            pos += take
+        seq.num_tokens = end
+        return alloc
 
     # ------------------------------------------------------------------ swap
-    def swap_out(self, seq_ids: list[str]) -> list[tuple[int, int]] | None:
+    def swap_out(self, seq_ids: Sequence[SeqId]) -> list[tuple[int, int]] | None:
         """Move these sequences' blocks to the CPU pool. Blocks shared among them move once.
         Returns the (gpu_block, cpu_block) copies to perform, or None (nothing changed) when the
         CPU pool is too small. The GPU blocks are released; cached ones stay hittable."""
         return self._move(seq_ids, to_cpu=True)
 
-    def swap_in(self, seq_ids: list[str]) -> list[tuple[int, int]] | None:
+    def swap_in(self, seq_ids: Sequence[SeqId]) -> list[tuple[int, int]] | None:
         """Move swapped sequences back into fresh GPU blocks: (cpu_block, gpu_block) copies, or None."""
         return self._move(seq_ids, to_cpu=False)
 
-    def _move(self, seq_ids: list[str], *, to_cpu: bool) -> list[tuple[int, int]] | None:
+    def _move(self, seq_ids: Sequence[SeqId], *, to_cpu: bool) -> list[tuple[int, int]] | None:
         src, dst = (self.pool, self.cpu_pool) if to_cpu else (self.cpu_pool, self.pool)
         seqs = [self._seq(s) for s in dict.fromkeys(seq_ids)]
         for s, seq in zip(dict.fromkeys(seq_ids), seqs):
@@ -298,7 +415,7 @@ class KVCacheManager:
             src.free(src.blocks[b] for b in seq.block_ids)
             seq.block_ids = [mapping[b] for b in seq.block_ids]
             seq.on_cpu = to_cpu
-            seq.num_registered = 0  # fresh GPU blocks get registered again by mark_computed
+            seq.num_registered = 0  # fresh GPU blocks get registered again by cache_blocks
         delta = sum(len(seq.block_ids) for seq in seqs)
         self._num_logical += -delta if to_cpu else delta
         self._num_swapped += len(seqs) if to_cpu else -len(seqs)
@@ -329,8 +446,10 @@ class KVCacheManager:
             cpu_used_blocks=self.cpu_pool.num_used,
         )
 
-    def check_invariants(self) -> None:
-        """Recompute every piece of bookkeeping from scratch and compare; raise InvariantError."""
+    def check_invariants(self, token_ids: dict[SeqId, Sequence[int]] | None = None) -> None:
+        """Recompute every piece of bookkeeping from scratch and compare; raise InvariantError.
+        With `token_ids` (sequence -> its tokens, as the request holds them) the chain digests are
+        recomputed from the tokens too."""
         bs = self.block_size
         for pool, on_cpu in ((self.pool, False), (self.cpu_pool, True)):
             refs = Counter(b for s in self._seqs.values() if s.on_cpu == on_cpu for b in s.block_ids)
@@ -339,13 +458,15 @@ class KVCacheManager:
             for block in pool.blocks:
                 _check(
                     block.ref_count == refs[block.block_id],
-                    f"block {block.block_id}: ref_count {block.ref_count} but {refs[block.block_id]} tables hold it",
+                    lambda: (
+                        f"block {block.block_id}: ref_count {block.ref_count} but {refs[block.block_id]} tables hold it"
+                    ),
                 )
                 _check(
                     (block.ref_count == 0) == (block in pool.free_queue),
-                    f"block {block.block_id}: free iff unreferenced",
+                    lambda: f"block {block.block_id}: free iff unreferenced",
                 )
-                _check(0 <= block.num_tokens <= bs, f"block {block.block_id}: {block.num_tokens} tokens")
+                _check(0 <= block.num_tokens <= bs, lambda: f"block {block.block_id}: {block.num_tokens} tokens")
             used = [b for b in pool.blocks if b.ref_count > 0]
             _check(pool.num_free + len(used) == pool.num_total, "free + used != total")
             _check(pool.num_shared == sum(b.ref_count > 1 for b in used), "shared counter")
@@ -358,7 +479,7 @@ class KVCacheManager:
         if self.prefix_cache is not None:
             for digest, block in self.prefix_cache.items():
                 key = block.cache_key
-                _check(key is not None and key.digest == digest, f"block {block.block_id}: hash map entry")
+                _check(key is not None and key.digest == digest, lambda: f"block {block.block_id}: hash map entry")
                 _check(
                     key.is_consistent() and len(key.token_ids) == bs,  # type: ignore[union-attr]
                     f"block {block.block_id}: stored tokens do not hash to its key",
@@ -371,25 +492,44 @@ class KVCacheManager:
         )
         _check(self._num_swapped == sum(s.on_cpu for s in self._seqs.values()), "swapped counter")
         for seq_id, seq in self._seqs.items():
-            n = len(seq.token_ids)
+            n = seq.num_tokens
             pool = self.cpu_pool if seq.on_cpu else self.pool
-            _check(len(seq.block_ids) == _cdiv(n, bs), f"{seq_id}: table length for {n} tokens")
-            chain: list[bytes] = []  # the digests this sequence's full blocks must carry
-            for i in range(n // bs):
-                chunk = seq.token_ids[i * bs : (i + 1) * bs]
-                chain.append(hash_block(chain[-1] if chain else None, chunk, extra_keys_for(i, seq.cache_salt)))
-            _check(seq.block_hashes == chain[: len(seq.block_hashes)], f"{seq_id}: stale chain digests")
+            _check(len(seq.block_ids) == _cdiv(n, bs), lambda: f"{seq_id}: table length for {n} tokens")
+            _check(len(seq.block_hashes) <= n // bs, lambda: f"{seq_id}: a digest for a block that is not full")
+            _check(seq.num_registered <= len(seq.block_hashes), lambda: f"{seq_id}: registered beyond its digests")
+            chain = list(seq.block_hashes)  # what each full block's digest must be, as far as known
+            tokens = token_ids.get(seq_id) if token_ids is not None else None
+            if tokens is not None:  # the chain digests must be those of the request's tokens
+                _check(len(tokens) >= n, lambda: f"{seq_id}: {n} slots but {len(tokens)} tokens")
+                chain = []
+                for i in range(n // bs):
+                    chunk = tokens[i * bs : (i + 1) * bs]
+                    chain.append(hash_block(chain[-1] if chain else None, chunk, extra_keys_for(i, seq.cache_salt)))
+                _check(
+                    seq.block_hashes == chain[: len(seq.block_hashes)],
+                    lambda: f"{seq_id}: chain digests of other tokens",
+                )
             for i, b in enumerate(seq.block_ids):
                 block = pool.blocks[b]
-                _check(block.num_tokens == min(bs, n - i * bs), f"{seq_id}: fill of block {b}")
-                if block.cache_key is not None:
+                _check(block.num_tokens == min(bs, n - i * bs), lambda: f"{seq_id}: fill of block {b}")
+                key = block.cache_key
+                if key is not None and i < len(chain):  # (a sibling may not have hashed a shared block yet)
                     _check(
-                        i < len(chain) and block.cache_key.digest == chain[i],
-                        f"{seq_id}: block {b} is registered under content other than its tokens",
+                        key.digest == chain[i],
+                        lambda: f"{seq_id}: block {b} is registered under content other than its tokens",
                     )
+                    _check(
+                        key.parent == (chain[i - 1] if i else None),
+                        lambda: f"{seq_id}: block {b} registered under another chain",
+                    )
+                _check(key is None or i < n // bs, lambda: f"{seq_id}: block {b} is registered but not full")
+        _check(
+            all(b.cache_key is not None and b.ref_count > 0 for b in self._uncommitted),
+            "an uncommitted registration was evicted or freed before its step ended",
+        )
 
     # ------------------------------------------------------------------ helpers
-    def _seq(self, seq_id: str) -> _Sequence:
+    def _seq(self, seq_id: SeqId) -> _Sequence:
         try:
             return self._seqs[seq_id]
         except KeyError:
@@ -404,16 +544,7 @@ class KVCacheManager:
                 raise RuntimeError("stale CachedPrefix: a hit block was reused since the lookup")
         return blocks
 
-    @staticmethod
-    def _fill(pool: BlockPool, seq: _Sequence, num_old: int, num_added: int) -> None:
-        """Count `num_added` tokens into the blocks after position `num_old`."""
-        bs, pos, end = pool.block_size, num_old, num_old + num_added
-        while pos < end:
-            take = min(end, (pos // bs + 1) * bs) - pos
-            pool.add_tokens(pool.blocks[seq.block_ids[pos // bs]], take)
-            pos += take
 
-
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, message: str | Callable[[], str]) -> None:
     if not ok:
-        raise InvariantError(message)
+        raise InvariantError(message if isinstance(message, str) else message())

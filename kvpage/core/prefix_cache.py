@@ -7,9 +7,9 @@ A full block is named by a chain hash, so a block only matches when everything b
     h2 = H(h1,   tokens[2B:3B], ())
 
 H is SHA-256, and every hit is still checked against the block's stored token ids, so even a
-collision cannot hand out the wrong KV. The map only holds blocks whose KV has been written
-(`KVCacheManager.mark_computed` registers them). A cached block may be free (ref count 0): it stays
-hittable until the block pool hands it out again, which evicts it from this map.
+collision cannot hand out the wrong KV. The map only holds blocks whose KV has been written, or is
+written by the step being run (`KVCacheManager.cache_blocks` registers them). A cached block may be
+free (ref count 0): it stays hittable until the block pool hands it out again, which evicts it.
 """
 
 from __future__ import annotations

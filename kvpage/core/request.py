@@ -2,12 +2,16 @@
 
 A request starts with one sequence (its prompt). Parallel sampling (n > 1) and beam search fork it
 into more sequences that share blocks; each sequence ends on its own, the request when all have.
+The request owns its sequences' token ids (the KV-cache manager only holds blocks); the scheduler
+is the only writer, in `update_from_output`.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+from kvpage.core.scheduler_output import SeqKey
 
 
 class RequestStatus(enum.Enum):
@@ -19,13 +23,19 @@ class RequestStatus(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    seq_id: str
-    index: int  # the sample's index in the request's outputs (or a beam's slot)
+    key: SeqKey  # (request id, index): the name of its block table in the KV-cache manager
     token_ids: list[int]  # prompt + generated
     num_prompt_tokens: int
-    num_computed: int = 0  # tokens whose KV is in the cache
+    num_computed: int = 0  # tokens whose KV is in the cache (or shared with the lead, see below)
+    # After a recompute, a sibling shares the lead's first `depends_on[1]` tokens of blocks before the
+    # lead has recomputed them: it may not run until sequence `depends_on[0]` has computed that far.
+    depends_on: tuple[int, int] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+
+    @property
+    def index(self) -> int:
+        return self.key.index
 
     @property
     def finished(self) -> bool:
@@ -48,7 +58,8 @@ class Request:
     cache_salt: str | None = None
     use_prefix_cache: bool = True  # off for requests that want prompt logprobs (every position must run)
     want_prompt_logprobs: bool = False
-    sequences: list[Sequence] = field(default_factory=list)
+    width: int = 1  # the most sequences it runs at once: n, or the beam width
+    sequences: list[Sequence] = field(default_factory=list)  # sequences[i].index == i
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     error: str | None = None  # why it failed alone (e.g. it can never fit in the cache)
@@ -56,10 +67,7 @@ class Request:
     def __post_init__(self) -> None:
         if not self.sequences:
             ids = list(self.prompt_token_ids)
-            self.sequences.append(Sequence(f"{self.request_id}#0", 0, ids, len(ids)))
-
-    def sequence(self, seq_id: str) -> Sequence | None:
-        return next((s for s in self.sequences if s.seq_id == seq_id), None)
+            self.sequences.append(Sequence(SeqKey(self.request_id, 0), ids, len(ids)))
 
     @property
     def live_sequences(self) -> list[Sequence]:

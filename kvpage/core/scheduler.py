@@ -1,31 +1,42 @@
 """The scheduler: continuous batching over the KV-cache manager. Pure Python, no torch.
 
-Each step fills a token budget (`max_num_batched_tokens`). There are no prefill and decode phases:
+One step, one way:
+
+    schedule() -> SchedulerOutput -> (the worker runs it) -> update_from_output(out, updates) -> StepResult
+
+`schedule` fills a token budget (`max_num_batched_tokens`). There are no prefill and decode phases:
 every sequence is given tokens so that its computed count catches up with its token count, which
 covers a decode (1 token), a prompt chunk (chunked prefill) and a recompute after preemption alike.
 
-    1. running requests, oldest first: their next tokens. When blocks run out, the most recently
-       admitted request is preempted (swap to the CPU pool when the policy allows and it fits,
-       else recompute: free its blocks, requeue it at the front of the waiting queue).
+    1. running requests, oldest first: slots for their new tokens, then their next tokens. When
+       blocks run out, the most recently admitted request is preempted (swap to the CPU pool when
+       the policy allows and it fits, else recompute: free its blocks, requeue it at the front of
+       the waiting queue). A request that runs out of blocks with nothing else left to preempt can
+       never go on: it fails alone.
     2. swapped requests, oldest first, if nothing was preempted this step: swapped back in.
     3. waiting requests, first come first served, if nothing is swapped out: admitted while the
-       budget, `max_num_seqs` and the block watermark allow; prefix-cache hits count as computed.
+       budget, `max_num_seqs` and the block watermark allow (`KVCacheManager.check_admission`
+       decides, for all of a request's sequences at once). A request that could never fit fails
+       alone and the queue goes on.
 
-Preemption policy (`preemption_mode`): "recompute", "swap", or None = swap whenever a CPU pool
-exists and holds the victim, else recompute. A request that can never fit fails alone.
+Blocks a step will fill are registered in the prefix cache as it is scheduled, so a request
+admitted later in the same step shares them (the model writes each layer's K/V before attending).
 
-The engine drives the rest through plain calls: `on_step_done` after the model ran, then per
-sampled token `append_token`, `fork` (parallel samples, beams) and `finish_sequence`.
+`update_from_output` advances the computed counts, applies the engine's per-request decisions
+(forks, tokens, finished sequences; see step_update.py) and answers with what finished or failed.
+If the worker raised instead, `fail_step` fails the step's requests and forgets its registrations.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 
 from kvpage.core.admission import AdmissionStatus
-from kvpage.core.kv_cache_manager import CachedPrefix, KVCacheManager
+from kvpage.core.kv_cache_manager import InvariantError, KVCacheManager
 from kvpage.core.request import Request, RequestStatus, Sequence
-from kvpage.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvpage.core.scheduler_output import ScheduledSequence, SchedulerOutput, SeqKey
+from kvpage.core.step_update import RequestUpdate, StepResult
 
 
 class Scheduler:
@@ -38,6 +49,8 @@ class Scheduler:
         max_model_len: int,
         preemption_mode: str | None = None,
     ) -> None:
+        if preemption_mode not in (None, "recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute', 'swap' or None, got {preemption_mode!r}")
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -47,24 +60,52 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
-        self.failed: list[Request] = []  # failed alone since the last drain (the engine reports them)
         self.num_preemptions = 0
         self.num_swapped_out = 0
+        self._failed: dict[str, str] = {}  # failed alone since the last report
+        self._in_flight: set[str] = set()  # requests the scheduled step touches
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests:
+        """Queue a request. A duplicate id or an empty prompt raises ValueError; a request that can
+        never be scheduled (too long, too wide) is accepted and reported failed by the next step."""
+        if req.request_id in self.requests or req.request_id in self._failed:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
-        n = len(req.prompt_token_ids)
-        if n == 0:
+        if not req.prompt_token_ids:
             raise ValueError("the prompt is empty")
-        if n > self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens, more than max_model_len={self.max_model_len}")
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        reason = self._unschedulable(req)
+        if reason is not None:
+            self._fail(req, f"request {req.request_id!r} can never be scheduled: {reason}")
+        else:
+            self.waiting.append(req)
+
+    def _unschedulable(self, req: Request) -> str | None:
+        n = len(req.prompt_token_ids)
+        if n > self.max_model_len:
+            return f"the prompt has {n} tokens, more than max_model_len={self.max_model_len}"
+        if req.width > self.max_num_seqs:
+            return f"it runs {req.width} sequences at once, more than max_num_seqs={self.max_num_seqs}"
+        if req.width > self.max_num_batched_tokens:
+            return (
+                f"its {req.width} sequences decode together, more tokens than "
+                f"max_num_batched_tokens={self.max_num_batched_tokens}"
+            )
+        return None
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """End a request now; its blocks go back to the pool. Unknown ids return None."""
+        self._failed.pop(request_id, None)
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        for seq in req.live_sequences:
+            seq.finish_reason = "abort"
+        self._retire(req)
+        return req
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self._failed)
 
     def num_running_seqs(self) -> int:
         return sum(len(r.live_sequences) for r in self.running)
@@ -82,20 +123,25 @@ class Scheduler:
             if not plan:
                 i += 1
                 continue
-            need = sum(self.kv.num_blocks_needed(s.seq_id, n) for s, n in plan)
+            need = self.kv.num_blocks_to_grow([(s.key, len(s.token_ids) - self.kv.num_tokens(s.key)) for s, _ in plan])
             while need > self.kv.pool.num_free and req.status is RequestStatus.RUNNING:
+                if self.running == [req]:  # nothing else holds blocks: it can never go on
+                    self._fail(req, self._never_fits(req, need))
+                    break
                 self._preempt(self.running.pop(), out)  # the most recently admitted; maybe req itself
                 preempted = True
             if req.status is not RequestStatus.RUNNING:
-                break  # req preempted itself: every request after it is gone as well
+                break  # req itself is gone: every request after it is gone as well
             for seq, n in plan:
-                budget -= self._allocate(req, seq, n, out)
+                budget -= self._schedule_seq(req, seq, n, out)
             i += 1
 
         if not preempted:
-            self._swap_in(out)
+            budget = self._swap_in(budget, out)
         if not preempted and not self.swapped:
-            budget = self._admit(budget, out)
+            self._admit(budget, out)
+        out.failed = list(self._failed.items())
+        self._failed.clear()
         return out
 
     def _plan(self, req: Request, budget: int) -> list[tuple[Sequence, int]]:
@@ -103,38 +149,54 @@ class Scheduler:
         seqs = [s for s in req.live_sequences if s.num_uncomputed > 0]
         if all(s.num_uncomputed == 1 for s in seqs) and len(seqs) > budget:
             return []
+        end = {s.index: s.num_computed for s in req.sequences}  # computed by the end of this step
         plan = []
         for s in seqs:
+            if s.depends_on is not None and end[s.depends_on[0]] < s.depends_on[1]:
+                continue  # the lead has not yet recomputed the blocks this sequence shares
             n = min(s.num_uncomputed, budget)
             if n <= 0:
                 break
             plan.append((s, n))
+            end[s.index] += n
             budget -= n
         return plan
 
-    def _allocate(self, req: Request, seq: Sequence, n: int, out: SchedulerOutput, prefix=None) -> int:
+    def _schedule_seq(self, req: Request, seq: Sequence, n: int, out: SchedulerOutput) -> int:
+        """Slots for all of `seq`'s tokens (the caller made room), then its next `n` tokens."""
+        missing = len(seq.token_ids) - self.kv.num_tokens(seq.key)
+        if missing:
+            alloc = self.kv.allocate_slots(seq.key, missing)
+            if alloc is None:  # the caller checked room first: this is a bookkeeping bug
+                raise InvariantError(f"no blocks for {seq.key} after the scheduler made room")
+            out.copies.extend(alloc.copies)
         start = seq.num_computed
-        alloc = self.kv.allocate_slots(seq.seq_id, seq.token_ids[start : start + n], prefix)
-        if alloc is None:  # the caller checked room first: this is a bookkeeping bug
-            raise RuntimeError(f"no blocks for {seq.seq_id} after the scheduler made room")
-        out.copies.extend(alloc.copies)
-        if n:
-            out.sequences.append(
-                ScheduledSequence(
-                    seq.seq_id,
-                    seq.token_ids[start : start + n],
-                    start,
-                    self.kv.block_table(seq.seq_id),
-                    return_logits=start + n == len(seq.token_ids),
-                    prompt_logprobs=req.want_prompt_logprobs and start < seq.num_prompt_tokens,
-                )
+        self.kv.cache_blocks(seq.key, seq.token_ids, start + n)
+        out.sequences.append(
+            ScheduledSequence(
+                seq.key,
+                seq.token_ids[start : start + n],
+                start,
+                self.kv.block_table(seq.key),
+                return_logits=start + n == len(seq.token_ids),
+                prompt_logprobs=req.want_prompt_logprobs and start < seq.num_prompt_tokens,
             )
+        )
+        self._in_flight.add(req.request_id)
         return n
+
+    def _never_fits(self, req: Request, need: int) -> str:
+        k = len(req.live_sequences)
+        return (
+            f"request {req.request_id!r} can never fit: its {k} sequence{'s' * (k > 1)} need {need} more "
+            f"block{'s' * (need > 1)} to go on, but only {self.kv.pool.num_free} are free with nothing else "
+            f"running (the cache holds {self.kv.pool.num_total} blocks of {self.kv.block_size} tokens)"
+        )
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         req.num_preemptions += 1
         self.num_preemptions += 1
-        live = [s.seq_id for s in req.live_sequences]
+        live = [s.key for s in req.live_sequences]
         mode = self.preemption_mode or ("swap" if self.kv.cpu_pool.num_total else "recompute")
         if mode == "swap":
             pairs = self.kv.swap_out(live)
@@ -143,122 +205,192 @@ class Scheduler:
                 req.status = RequestStatus.SWAPPED
                 self.swapped.appendleft(req)
                 self.num_swapped_out += 1
+                self._in_flight.add(req.request_id)
                 return
         for seq in req.live_sequences:  # recompute: drop the KV, keep the tokens
-            self.kv.free(seq.seq_id)
+            self.kv.free(seq.key)
             seq.num_computed = 0
+            seq.depends_on = None
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 
-    def _swap_in(self, out: SchedulerOutput) -> None:
+    def _swap_in(self, budget: int, out: SchedulerOutput) -> int:
+        """Bring swapped requests back, oldest first, and run them in this step when their next tokens
+        need no block beyond what is free."""
         while self.swapped:
             req = self.swapped[0]
-            live = [s.seq_id for s in req.live_sequences]
+            live = [s.key for s in req.live_sequences]
             need = self.kv.num_blocks_to_swap_in(live)
             free = self.kv.pool.num_free
             if need > free - self.kv.watermark_blocks and (self.running or need > free):
-                return
-            if self.running and self.num_running_seqs() + len(live) > self.max_num_seqs:
-                return
+                return budget
+            if self.running and self.num_running_seqs() + max(len(live), req.width) > self.max_num_seqs:
+                return budget
             pairs = self.kv.swap_in(live)
             if pairs is None:
-                return
+                return budget
             out.swap_in.extend(pairs)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self.swapped.popleft()
+            self._in_flight.add(req.request_id)
+            plan = self._plan(req, budget)
+            growth = [(s.key, len(s.token_ids) - self.kv.num_tokens(s.key)) for s, _ in plan]
+            if plan and self.kv.num_blocks_to_grow(growth) <= self.kv.pool.num_free:
+                for seq, n in plan:
+                    budget -= self._schedule_seq(req, seq, n, out)
+        return budget
 
-    def _admit(self, budget: int, out: SchedulerOutput) -> int:
+    def _admit(self, budget: int, out: SchedulerOutput) -> None:
+        bs = self.kv.block_size
         while self.waiting and budget > 0:
             req = self.waiting[0]
             seqs = req.live_sequences
-            if self.running and self.num_running_seqs() + len(seqs) > self.max_num_seqs:
-                break
-            prefixes: list[CachedPrefix | None] = [
-                self.kv.find_cached_prefix(s.token_ids, req.cache_salt) if req.use_prefix_cache else None for s in seqs
-            ]
-            needed = 0
-            for s, p in zip(seqs, prefixes, strict=True):
-                adm = self.kv.check_admission(len(s.token_ids), p)
-                if adm.status is AdmissionStatus.NEVER:
-                    self._fail(req, f"request {req.request_id!r} can never fit: {adm.reason}")
-                    break
-                needed += adm.blocks_needed
-            if req.status is RequestStatus.FINISHED:
-                continue
-            if needed > self.kv.pool.num_total:
-                self._fail(req, f"request {req.request_id!r} can never fit: its {len(seqs)} sequences need "
-                                f"{needed} blocks, the cache holds {self.kv.pool.num_total}")  # fmt: skip
-                continue
-            free = self.kv.pool.num_free - sum(
-                1 for p in prefixes if p for b in p.block_ids if self.kv.pool.blocks[b].ref_count == 0
+            if self.running and self.num_running_seqs() + max(len(seqs), req.width) > self.max_num_seqs:
+                return
+            tokens = [s.token_ids for s in seqs]
+            adm = self.kv.check_admission(
+                tokens, req.cache_salt, use_prefix_cache=req.use_prefix_cache, keep_watermark=bool(self.running)
             )
-            if needed > free - self.kv.watermark_blocks and (self.running or needed > free):
-                break
+            if adm.status is AdmissionStatus.NEVER:
+                self._fail(req, f"request {req.request_id!r} can never fit: {adm.reason}")
+                continue
+            if adm.status is AdmissionStatus.LATER:
+                return  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            for s, p in zip(seqs, prefixes, strict=True):
-                s.num_computed = p.num_tokens if p else 0
-                n = min(s.num_uncomputed, budget)
-                budget -= self._allocate(req, s, n, out, prefix=p or CachedPrefix([], [], 0, 0, req.cache_salt))
+            self.kv.admit([s.key for s in seqs], tokens, adm)
+            lead = seqs[0]
+            lead.num_computed = adm.prefix.num_tokens if adm.prefix else 0
+            for s, m in zip(seqs[1:], adm.shared_blocks[1:], strict=True):
+                s.num_computed = m * bs
+                s.depends_on = (lead.index, m * bs) if m * bs > lead.num_computed else None
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-        return budget
+            for seq, n in self._plan(req, budget):
+                budget -= self._schedule_seq(req, seq, n, out)
 
+    # ------------------------------------------------------------------ after the worker ran
+    def update_from_output(self, out: SchedulerOutput, updates: Mapping[str, RequestUpdate]) -> StepResult:
+        """The step's KV is written: advance the computed counts, apply the engine's decisions
+        (forks, then tokens, then finished sequences) and say which requests finished or failed."""
+        self.kv.commit()
+        self._in_flight.clear()
+        result = StepResult(failed=dict(out.failed))
+        for s in out.sequences:
+            req = self.requests.get(s.seq_id.request_id)  # type: ignore[attr-defined]
+            if req is not None and req.status is RequestStatus.RUNNING:
+                req.sequences[s.seq_id.index].num_computed = s.seq_len  # type: ignore[attr-defined]
+        for req in self.running:
+            for seq in req.live_sequences:
+                if seq.depends_on is not None and req.sequences[seq.depends_on[0]].num_computed >= seq.depends_on[1]:
+                    seq.depends_on = None
+        for request_id, update in updates.items():
+            req = self.requests.get(request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            if update.error is None:
+                try:
+                    self._apply(req, update)
+                except (ValueError, IndexError, KeyError) as e:
+                    update.error = f"request {request_id!r} failed: {e}"
+            if update.error is not None:
+                self._fail(req, update.error)
+            elif not req.live_sequences:
+                self._retire(req)
+                result.finished.append(request_id)
+        result.failed.update(self._failed)
+        self._failed.clear()
+        return result
+
+    def _apply(self, req: Request, update: RequestUpdate) -> None:
+        for u in update.sequences:  # validate everything before changing anything
+            if u.parent is None and not 0 <= u.index < len(req.sequences):
+                raise IndexError(f"no sequence {u.index}")
+            if u.parent is not None and not 0 <= u.parent < len(req.sequences):
+                raise IndexError(f"no parent sequence {u.parent}")
+        forks = [u for u in update.sequences if u.parent is not None and u.parent != u.index]
+        for u in forks:
+            if u.index != len(req.sequences):
+                raise ValueError(f"a new sequence must take index {len(req.sequences)}, not {u.index}")
+            parent = req.sequences[u.parent]  # type: ignore[index]
+            if parent.finished or parent.num_uncomputed:
+                raise ValueError(f"sequence {parent.index} cannot be forked now")
+            child = Sequence(SeqKey(req.request_id, u.index), list(parent.token_ids), parent.num_prompt_tokens,
+                             parent.num_computed)  # fmt: skip
+            self.kv.fork(parent.key, child.key)
+            req.sequences.append(child)
+        for u in update.sequences:
+            if u.token_id is not None:
+                req.sequences[u.index].token_ids.append(u.token_id)
+        for u in update.sequences:
+            if u.finish_reason is not None:
+                seq = req.sequences[u.index]
+                seq.finish_reason, seq.stop_reason = u.finish_reason, u.stop_reason
+                if self.kv.has_sequence(seq.key):
+                    self.kv.free(seq.key)
+
+    def fail_step(self, out: SchedulerOutput, reason: str) -> StepResult:
+        """The worker raised while running `out`: every request the step touched fails (its KV may be
+        half written), the blocks registered for the step are forgotten, everyone else goes on."""
+        self.kv.discard_uncommitted()
+        touched = self._in_flight | {s.seq_id.request_id for s in out.sequences}  # type: ignore[attr-defined]
+        self._in_flight.clear()
+        result = StepResult(failed=dict(out.failed))
+        for request_id in touched:
+            req = self.requests.get(request_id)
+            if req is not None:
+                self._fail(req, reason)
+        result.failed.update(self._failed)
+        self._failed.clear()
+        return result
+
+    # ------------------------------------------------------------------ endings
     def _fail(self, req: Request, reason: str) -> None:
         req.error = reason
-        self.waiting.remove(req)
         for seq in req.live_sequences:
             seq.finish_reason = "abort"
-            if self.kv.has_sequence(seq.seq_id):
-                self.kv.free(seq.seq_id)
-        req.status = RequestStatus.FINISHED
-        del self.requests[req.request_id]
-        self.failed.append(req)
-
-    # ------------------------------------------------------------------ after the model ran
-    def on_step_done(self, out: SchedulerOutput) -> None:
-        """The scheduled tokens' KV is written: advance the sequences, register full blocks."""
-        for s in out.sequences:
-            req = self.requests.get(s.seq_id.rsplit("#", 1)[0])
-            seq = req.sequence(s.seq_id) if req else None
-            if seq is None or seq.finished:
-                continue
-            seq.num_computed = s.seq_len
-            self.kv.mark_computed(s.seq_id, seq.num_computed)
-
-    def append_token(self, seq: Sequence, token_id: int) -> None:
-        seq.token_ids.append(token_id)
-
-    def fork(self, req: Request, parent: Sequence, index: int) -> Sequence:
-        """A new sequence sharing every block of `parent` (call before appending new tokens)."""
-        child = Sequence(f"{req.request_id}#{index}", index, list(parent.token_ids), parent.num_prompt_tokens,
-                         parent.num_computed)  # fmt: skip
-        self.kv.fork(parent.seq_id, child.seq_id)
-        req.sequences.append(child)
-        return child
-
-    def finish_sequence(self, req: Request, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
-        if self.kv.has_sequence(seq.seq_id):
-            self.kv.free(seq.seq_id)
-        if not req.live_sequences:
-            self._retire(req)
-
-    def abort_request(self, request_id: str) -> Request | None:
-        req = self.requests.get(request_id)
-        if req is None:
-            return None
-        for seq in req.live_sequences:
-            seq.finish_reason = "abort"
-            if self.kv.has_sequence(seq.seq_id):
-                self.kv.free(seq.seq_id)
         self._retire(req)
-        return req
+        self._failed[req.request_id] = reason
 
     def _retire(self, req: Request) -> None:
+        for seq in req.sequences:
+            if self.kv.has_sequence(seq.key):
+                self.kv.free(seq.key)
         queue = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING: self.waiting,
                  RequestStatus.SWAPPED: self.swapped}.get(req.status)  # fmt: skip
         if queue is not None and req in queue:
             queue.remove(req)
         req.status = RequestStatus.FINISHED
         self.requests.pop(req.request_id, None)
+
+    # ------------------------------------------------------------------ checks
+    def check_invariants(self) -> None:
+        """The manager's own checks (chain digests against the requests' tokens included), and that
+        every request sits in exactly the queue its status names with blocks to match."""
+        tokens = {s.key: s.token_ids for r in self.requests.values() for s in r.live_sequences}
+        self.kv.check_invariants(tokens)
+        queues = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING: self.waiting,
+                  RequestStatus.SWAPPED: self.swapped}  # fmt: skip
+        listed = [r for q in queues.values() for r in q]
+        _check(len(listed) == len({id(r) for r in listed}) == len(self.requests), "a request is queued twice or lost")
+        held = set()
+        for req in listed:
+            _check(req in queues[req.status], f"{req.request_id}: status {req.status} but queued elsewhere")
+            _check(self.requests.get(req.request_id) is req, f"{req.request_id}: not in the request map")
+            _check(all(s.index == i for i, s in enumerate(req.sequences)), f"{req.request_id}: sequence indices")
+            _check(bool(req.live_sequences), f"{req.request_id}: queued with no live sequence")
+            for seq in req.live_sequences:
+                has = self.kv.has_sequence(seq.key)
+                _check(has == (req.status is not RequestStatus.WAITING), f"{seq.key}: blocks for status {req.status}")
+                _check(0 <= seq.num_computed <= len(seq.token_ids), f"{seq.key}: computed count")
+                if has:
+                    held.add(seq.key)
+                    _check(self.kv.is_swapped(seq.key) == (req.status is RequestStatus.SWAPPED), f"{seq.key}: pool")
+                    n = self.kv.num_tokens(seq.key)
+                    _check(seq.num_computed <= n <= len(seq.token_ids), f"{seq.key}: {n} slots")
+        _check(held == set(self.kv.seq_ids()), "the manager holds sequences no request owns")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvariantError(message)

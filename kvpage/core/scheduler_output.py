@@ -4,16 +4,26 @@ SchedulerOutput
   sequences: the tokens to compute for each sequence, where they go, what to return
   copies:    (src, dst) GPU block copies to perform first (copy-on-write)
   swap_out:  (gpu, cpu) block copies, before the step; swap_in: (cpu, gpu) block copies
+  failed:    requests the scheduler failed while planning (they never fit): (request_id, reason)
+
+A sequence is named by `SeqKey(request_id, index)`: plain data, never a string to split.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class SeqKey(NamedTuple):
+    request_id: str
+    index: int  # the sample's (or beam's) index within its request
 
 
 @dataclass(slots=True)
 class ScheduledSequence:
-    seq_id: str
+    seq_id: Hashable  # a SeqKey from the scheduler; any hashable name in tests that drive the runner
     token_ids: list[int]  # the new tokens to run this step (a prompt chunk, or one decode token)
     num_computed: int  # tokens of this sequence whose KV is already cached: position of token_ids[0]
     block_table: list[int]  # physical blocks covering num_computed + len(token_ids) tokens
@@ -31,7 +41,13 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.sequences)
+
+    @property
+    def has_work(self) -> bool:
+        """Anything for the worker to do (model tokens or block copies)."""
+        return bool(self.sequences or self.copies or self.swap_out or self.swap_in)

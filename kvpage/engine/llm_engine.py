@@ -1,20 +1,21 @@
 """`LLMEngine`: the step-level engine. add_request / step / abort_request / has_unfinished_requests.
 
-One step:
+One step, data flowing one way:
 
     Scheduler.schedule() -> SchedulerOutput -> ModelRunner.execute() -> logits
-    -> Scheduler.on_step_done()  (KV written: full blocks become prefix-cache hits)
-    -> per request: sample (or a beam-search step), fork for n > 1, append, detokenize, stop checks
-    -> RequestOutput for every request that advanced or finished
+    -> per request: sample (or a beam step); OutputProcessor: text, logprobs, stop checks
+    -> RequestUpdate (forks, tokens, finished sequences) -> Scheduler.update_from_output()
+    -> StepResult (finished, failed) -> RequestOutput for every request that advanced or ended
 
-Sampling policy lives here; block policy lives in the scheduler and the KV-cache manager.
+Sampling policy lives here; block policy in the scheduler and the KV-cache manager; text in the
+output processor. Bad parameters raise ValueError in add_request; a step that still fails fails
+only the requests it concerns (the whole batch if the model raised, else the one request).
 """
 
 from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -22,41 +23,18 @@ from kvpage.config import EngineConfig
 from kvpage.core import CacheStats, KVCacheManager
 from kvpage.core.request import Request, Sequence
 from kvpage.core.scheduler import Scheduler
+from kvpage.core.scheduler_output import SchedulerOutput
+from kvpage.core.step_update import RequestUpdate, SeqUpdate, StepResult
 from kvpage.engine.beam_search import BeamSearch
-from kvpage.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from kvpage.engine.output_processor import OutputProcessor, RequestState
 from kvpage.models import load_model, parse_dtype
-from kvpage.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams
 from kvpage.worker.kv_cache import KVCache
 from kvpage.worker.model_runner import ModelRunner, ModelRunnerOutput
-from kvpage.worker.sampler import SampledToken, SamplingRow, sample
+from kvpage.worker.sampler import SamplingRow, sample
 
 DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
-
-
-@dataclass(slots=True)
-class _SeqState:
-    detok: IncrementalDetokenizer
-    generator: torch.Generator
-    logprobs: list[PositionLogprobs] | None
-    cumulative_logprob: float = 0.0
-
-
-@dataclass(slots=True)
-class _RequestState:
-    request: Request
-    params: SamplingParams | BeamSearchParams
-    prompt: str | None
-    seed: int
-    max_tokens: int
-    stop_token_ids: frozenset[int]
-    seqs: dict[int, _SeqState] = field(default_factory=dict)  # by sequence index
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-    beam: BeamSearch | None = None
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    itl: list[float] = field(default_factory=list)  # inter-token latencies not yet reported
 
 
 class LLMEngine:
@@ -105,7 +83,8 @@ class LLMEngine:
             max_model_len=max_model_len,
             preemption_mode=config.preemption_mode,
         )
-        self._states: dict[str, _RequestState] = {}
+        self.outputs = OutputProcessor(self.tokenizer, max_model_len)
+        self._states: dict[str, RequestState] = {}
         self._arrivals = 0
         self._rng = random.Random(config.seed)
         self.num_prompt_tokens = 0  # counters read by /metrics
@@ -144,20 +123,23 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         is_beam = isinstance(params, BeamSearchParams)
+        width = params.beam_width if is_beam else params.n
+        self._check_width("beam_width" if is_beam else "n", width)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name, None)
+            if k is not None and k > vocab:
+                raise ValueError(f"{name} must be at most the vocabulary size {vocab}, got {k}")
+        bad_stops = [t for t in (getattr(params, "stop_token_ids", None) or ()) if t >= vocab]
+        if bad_stops:
+            raise ValueError(f"stop_token_ids: token id {bad_stops[0]} is outside the vocabulary [0, {vocab})")
         want_plp = not is_beam and params.prompt_logprobs is not None
-        req = Request(
-            request_id,
-            ids,
-            self._arrivals,
-            cache_salt=cache_salt,
-            use_prefix_cache=not want_plp,
-            want_prompt_logprobs=want_plp,
-        )
+        req = Request(request_id, ids, self._arrivals, cache_salt=cache_salt, use_prefix_cache=not want_plp,
+                      want_prompt_logprobs=want_plp, width=width)  # fmt: skip
         self._arrivals += 1
         eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
         extra_stops = set() if is_beam else set(params.stop_token_ids or ())
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
-        st = _RequestState(
+        st = RequestState(
             request=req,
             params=params,
             prompt=text,
@@ -170,20 +152,23 @@ class LLMEngine:
         if is_beam:
             limit = max(1, min(st.max_tokens, self.max_model_len - len(ids)))
             st.beam = BeamSearch(params.beam_width, params.length_penalty, limit, st.stop_token_ids)
-        self._new_seq_state(st, 0)
-        try:
-            self.scheduler.add_request(req)
-        except ValueError as e:  # too long for max_model_len: fails alone, reported by the next step
-            req.error = str(e)
-            req.sequences[0].finish_reason = "abort"
-            self.scheduler.failed.append(req)
+        self.outputs.new_seq_state(st, 0)
+        self.scheduler.add_request(req)  # one that can never be scheduled is reported by the next step
         self._states[request_id] = st
         self.num_prompt_tokens += len(ids)
 
+    def _check_width(self, name: str, width: int) -> None:
+        cfg = self.config
+        limits = (("max_num_seqs", cfg.max_num_seqs), ("max_num_batched_tokens", cfg.max_num_batched_tokens))
+        for limit_name, limit in limits:
+            if width > limit:
+                raise ValueError(
+                    f"{name}={width}: its {width} sequences run in the same step, but {limit_name}={limit}"
+                )
+
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks go back to the pool. Unknown ids are ignored."""
-        st = self._states.pop(request_id, None)
-        if st is not None:
+        if self._states.pop(request_id, None) is not None:
             self.scheduler.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -197,42 +182,65 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
-        advanced: dict[str, _RequestState] = {}
-        for req in self.scheduler.failed:
-            st = self._states.get(req.request_id)
-            if st is not None:
-                advanced[req.request_id] = st
-        self.scheduler.failed.clear()
-        if sched.sequences or sched.swap_in or sched.swap_out or sched.copies:
-            run = self.runner.execute(sched)
-        else:
-            run = ModelRunnerOutput([], torch.empty(0), {})
+        try:
+            run = self.runner.execute(sched) if sched.has_work else ModelRunnerOutput([], torch.empty(0))
+        except Exception as e:  # noqa: BLE001 - the batch fails, the engine goes on
+            result = self.scheduler.fail_step(sched, f"the model step failed: {type(e).__name__}: {e}")
+            return self._finish_step(result, {}, (t0, t1, time.perf_counter()))
         t2 = time.perf_counter()
-        self.scheduler.on_step_done(sched)
-        self._collect_prompt_logprobs(sched, run)
-        by_request: dict[str, list[tuple[Sequence, int]]] = {}
-        for row, seq_id in enumerate(run.seq_ids):
-            req_id = seq_id.rsplit("#", 1)[0]
-            st = self._states.get(req_id)
-            if st is None:
-                continue
-            seq = st.request.sequence(seq_id)
-            if seq is not None and not seq.finished:
-                by_request.setdefault(req_id, []).append((seq, row))
+        updates, advanced = self._process(sched, run)
+        result = self.scheduler.update_from_output(sched, updates)
+        return self._finish_step(result, advanced, (t0, t1, t2))
+
+    def _process(self, sched: SchedulerOutput, run: ModelRunnerOutput):
+        """The engine's decisions for every request that produced logits: sample or beam-step, then
+        text and stop checks. A request whose processing raises fails alone."""
+        errors: dict[str, str] = {}
+        for s in sched.sequences:
+            lp = run.prompt_logprobs.get(s.seq_id)
+            st = self._states.get(s.seq_id.request_id)  # type: ignore[attr-defined]
+            if lp is not None and st is not None:
+                try:
+                    self.outputs.collect_prompt_logprobs(st, s.num_computed, lp)
+                except Exception as e:  # noqa: BLE001 - this request fails alone
+                    errors[st.request.request_id] = f"prompt logprobs failed: {type(e).__name__}: {e}"
+        rows: dict[str, list[tuple[Sequence, int]]] = {}
+        for row, key in enumerate(run.seq_ids):
+            st = self._states.get(key.request_id)  # type: ignore[attr-defined]
+            if st is not None:
+                rows.setdefault(key.request_id, []).append((st.request.sequences[key.index], row))  # type: ignore[attr-defined]
+        updates: dict[str, RequestUpdate] = {}
+        advanced: dict[str, RequestState] = {}
         now = time.monotonic()
-        for req_id, seq_rows in by_request.items():
-            st = self._states[req_id]
-            if st.beam is not None:
-                self._beam_step(st, seq_rows, run.logits)
-            else:
-                self._sample_step(st, seq_rows, run.logits)
-            advanced[req_id] = st
-            if st.first_token_time is None:
-                st.first_token_time = now
-            elif st.last_token_time is not None:
-                st.itl.append(now - st.last_token_time)
-            st.last_token_time = now
-        outputs = [self._make_output(st) for st in advanced.values()]
+        for request_id, seq_rows in rows.items():
+            st = self._states[request_id]
+            advanced[request_id] = st
+            update = RequestUpdate(request_id)
+            try:
+                if request_id in errors:
+                    raise RuntimeError(errors.pop(request_id))
+                if st.beam is not None:
+                    self._beam_step(st, seq_rows, run.logits, update)
+                else:
+                    self._sample_step(st, seq_rows, run.logits, update)
+            except Exception as e:  # noqa: BLE001 - this request fails alone
+                update = RequestUpdate(request_id, error=f"request {request_id!r} failed: {type(e).__name__}: {e}")
+            updates[request_id] = update
+            if update.sequences:
+                self.outputs.note_token_time(st, now)
+                self.num_generation_tokens += sum(u.token_id is not None for u in update.sequences)
+        for request_id, reason in errors.items():  # prompt chunks that returned no logits yet
+            updates[request_id] = RequestUpdate(request_id, error=f"request {request_id!r} failed: {reason}")
+            advanced[request_id] = self._states[request_id]
+        return updates, advanced
+
+    def _finish_step(self, result: StepResult, advanced: dict[str, RequestState], times) -> list[RequestOutput]:
+        t0, t1, t2 = times
+        for request_id in [*result.finished, *result.failed]:
+            st = self._states.get(request_id)
+            if st is not None:
+                advanced[request_id] = st
+        outputs = [self.outputs.make_output(st) for st in advanced.values()]
         for out in outputs:
             if out.finished:
                 self._states.pop(out.request_id, None)
@@ -244,22 +252,22 @@ class LLMEngine:
         return outputs
 
     # ------------------------------------------------------------------ sampling
-    def _sample_step(self, st: _RequestState, seq_rows: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
+    def _sample_step(self, st: RequestState, seq_rows, logits: torch.Tensor, update: RequestUpdate) -> None:
         params: SamplingParams = st.params  # type: ignore[assignment]
         req = st.request
-        targets = list(seq_rows)
+        # (index, parent index or None, the sequence whose tokens it continues, logits row)
+        targets = [(seq.index, None, seq, row) for seq, row in seq_rows]
         if params.n > 1 and len(req.sequences) == 1 and not req.sequences[0].output_token_ids:
             parent, row = seq_rows[0]
             for index in range(1, params.n):  # the samples share every prompt block (copy-on-write)
-                child = self.scheduler.fork(req, parent, index)
-                self._new_seq_state(st, index)
-                targets.append((child, row))
-        rows = [self._sampling_row(st, seq, row) for seq, row in targets]
-        sampled = sample(logits, rows)
-        for (seq, _), tok in zip(targets, sampled, strict=True):
-            self._accept(st, seq, tok)
+                self.outputs.new_seq_state(st, index)
+                targets.append((index, parent.index, parent, row))
+        rows = [self._sampling_row(st, index, seq, row) for index, _, seq, row in targets]
+        for (index, parent, seq, _), tok in zip(targets, sample(logits, rows), strict=True):
+            reason, stop = self.outputs.accept(st, index, seq.token_ids, seq.num_prompt_tokens, tok)
+            update.sequences.append(SeqUpdate(index, tok.token_id, parent, reason, stop))
 
-    def _sampling_row(self, st: _RequestState, seq: Sequence, row: int) -> SamplingRow:
+    def _sampling_row(self, st: RequestState, index: int, seq: Sequence, row: int) -> SamplingRow:
         p: SamplingParams = st.params  # type: ignore[assignment]
         out_ids = seq.output_token_ids
         return SamplingRow(
@@ -274,137 +282,24 @@ class LLMEngine:
             prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens] if p.repetition_penalty != 1.0 else [],
             output_token_ids=out_ids,
             banned_token_ids=sorted(st.stop_token_ids) if len(out_ids) < p.min_tokens else [],
-            generator=st.seqs[seq.index].generator,
+            generator=st.seqs[index].generator,
             num_logprobs=p.logprobs,
         )
 
-    def _accept(self, st: _RequestState, seq: Sequence, tok: SampledToken) -> None:
-        """Append a sampled token to a sequence, detokenize it and decide whether the sequence stops."""
-        ss = st.seqs[seq.index]
-        self.scheduler.append_token(seq, tok.token_id)
-        self.num_generation_tokens += 1
-        if tok.logprob is not None:
-            ss.cumulative_logprob += tok.logprob
-            if ss.logprobs is not None:
-                ss.logprobs.append(self._position_logprobs(tok.token_id, tok.logprob, tok.rank, tok.top))
-        delta = ss.detok.add(tok.token_id)
-        params = st.params
-        n_out = len(seq.output_token_ids)
-        if tok.token_id in st.stop_token_ids:
-            eos = tok.token_id in self.tokenizer.eos_token_ids and tok.token_id not in (params.stop_token_ids or ())
-            self.scheduler.finish_sequence(st.request, seq, "stop", None if eos else tok.token_id)
-            return
-        stops = getattr(params, "stop", None)
-        if stops and delta and n_out >= getattr(params, "min_tokens", 0):
-            hit = find_stop_string(ss.detok.text, len(delta), stops)
-            if hit is not None:
-                start, stop = hit
-                keep = start + len(stop) if params.include_stop_str_in_output else start
-                ss.detok.text = ss.detok.text[:keep]
-                self.scheduler.finish_sequence(st.request, seq, "stop", stop)
-                return
-        if n_out >= st.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            self.scheduler.finish_sequence(st.request, seq, "length")
-
-    def _beam_step(self, st: _RequestState, seq_rows: list[tuple[Sequence, int]], logits: torch.Tensor) -> None:
+    def _beam_step(self, st: RequestState, seq_rows, logits: torch.Tensor, update: RequestUpdate) -> None:
         beam = st.beam
         assert beam is not None
+        req = st.request
         for seq, row in seq_rows:
             beam.set_logits(seq, logits[row])
-        if not beam.ready(st.request.live_sequences):
+        if not beam.ready(req.live_sequences):
             return  # some beams are still catching up (after a recompute): wait for them
-        plan = beam.step(st.request.live_sequences)
-        req = st.request
-        # forks first (while every parent still holds its blocks), then appends, then frees
-        new_seqs = [
-            (parent if index == parent.index else self.scheduler.fork(req, parent, index), token)
-            for parent, token, index in plan.continue_
-        ]
-        keep = {seq.index for seq, _ in new_seqs}
-        for seq in list(req.live_sequences):  # pruned beams (all of them once done): blocks go back now
+        plan = beam.step(req.live_sequences)
+        # the scheduler forks first (while every parent still holds its blocks), then appends, then frees
+        keep = set()
+        for parent, token, index in plan.continue_:
+            update.sequences.append(SeqUpdate(index, token, None if index == parent.index else parent.index))
+            keep.add(index)
+        for seq in req.live_sequences:  # pruned beams (all of them once done): blocks go back now
             if seq.index not in keep:
-                self.scheduler.finish_sequence(req, seq, "stop" if plan.done else "abort")
-        for seq, token in new_seqs:
-            self.scheduler.append_token(seq, token)
-            self.num_generation_tokens += 1
-
-    # ------------------------------------------------------------------ outputs
-    def _new_seq_state(self, st: _RequestState, index: int) -> None:
-        g = torch.Generator().manual_seed((st.seed * 1_000_003 + index) % 2**63)
-        params = st.params
-        skip = getattr(params, "skip_special_tokens", True)
-        want_lp = getattr(params, "logprobs", None) is not None
-        st.seqs[index] = _SeqState(
-            IncrementalDetokenizer(self.tokenizer, st.request.prompt_token_ids, skip), g, [] if want_lp else None
-        )
-
-    def _position_logprobs(self, token: int, logprob: float, rank: int | None, top) -> PositionLogprobs:
-        decode = self.tokenizer.decode
-        out = {token: Logprob(logprob, rank, decode([token], skip_special_tokens=False))}
-        for i, (t, lp) in enumerate(top or []):
-            if t not in out:
-                out[t] = Logprob(lp, i + 1, decode([t], skip_special_tokens=False))
-        return out
-
-    def _collect_prompt_logprobs(self, sched, run: ModelRunnerOutput) -> None:
-        for s in sched.sequences:
-            lp = run.prompt_logprobs.get(s.seq_id)
-            st = self._states.get(s.seq_id.rsplit("#", 1)[0])
-            if lp is None or st is None or st.prompt_logprobs is None:
-                continue
-            prompt = st.request.prompt_token_ids
-            k = st.params.prompt_logprobs or 0
-            # row i predicts the token at position num_computed + i + 1
-            for i in range(lp.shape[0]):
-                pos = s.num_computed + i + 1
-                if pos >= len(prompt) or pos < len(st.prompt_logprobs):
-                    continue  # past the prompt, or already collected before a recompute
-                row = lp[i]
-                tok = prompt[pos]
-                top = torch.topk(row, k) if k else None
-                st.prompt_logprobs.append(
-                    self._position_logprobs(
-                        tok,
-                        float(row[tok]),
-                        int((row > row[tok]).sum()) + 1,
-                        list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else None,
-                    )
-                )
-
-    def _make_output(self, st: _RequestState) -> RequestOutput:
-        req = st.request
-        if st.beam is not None:
-            outs = st.beam.outputs(self.tokenizer, req)
-        else:
-            outs = []
-            hold = max((len(s) for s in getattr(st.params, "stop", None) or []), default=1) - 1
-            for seq in sorted(req.sequences, key=lambda s: s.index):
-                ss = st.seqs[seq.index]
-                text = ss.detok.text
-                if not seq.finished and hold:
-                    text = text[: max(0, len(text) - hold)]  # a stop string may still be forming
-                outs.append(
-                    CompletionOutput(
-                        index=seq.index,
-                        text=text,
-                        token_ids=list(seq.output_token_ids),
-                        cumulative_logprob=ss.cumulative_logprob if ss.logprobs is not None else None,
-                        logprobs=ss.logprobs,
-                        finish_reason=seq.finish_reason,
-                        stop_reason=seq.stop_reason,
-                    )
-                )
-        metrics = {"arrival_time": st.arrival_time, "first_token_time": st.first_token_time,
-                   "num_preemptions": req.num_preemptions, "inter_token_latencies": st.itl}  # fmt: skip
-        st.itl = []
-        finished = req.finished or req.error is not None
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=st.prompt,
-            prompt_token_ids=list(req.prompt_token_ids),
-            prompt_logprobs=st.prompt_logprobs,
-            outputs=outs,
-            finished=finished,
-            error=req.error,
-            metrics=metrics,
-        )
+                update.sequences.append(SeqUpdate(seq.index, None, None, "stop" if plan.done else "abort"))

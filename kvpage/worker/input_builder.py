@@ -6,6 +6,7 @@ Sequences are reordered decodes first (the attention backend attends all decodes
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ class ModelInputs:
     meta: AttentionMetadata
     sequences: list[ScheduledSequence]  # in batch order (decodes first)
     logits_index: torch.Tensor  # rows of the last token of each sequence that returns logits
-    logits_seq_ids: list[str]
+    logits_seq_ids: list[Hashable]
 
 
 def build_inputs(scheduled: list[ScheduledSequence], block_size: int, device: torch.device | str) -> ModelInputs:
@@ -29,7 +30,7 @@ def build_inputs(scheduled: list[ScheduledSequence], block_size: int, device: to
     ids: list[int] = []
     positions: list[int] = []
     logits_rows: list[int] = []
-    logits_seq_ids: list[str] = []
+    logits_seq_ids: list[Hashable] = []
     for s in seqs:
         if not s.token_ids:
             raise ValueError(f"sequence {s.seq_id!r} is scheduled with no tokens")

@@ -2,14 +2,14 @@
 
     SchedulerOutput -> (swap out, swap in, copy-on-write) -> build_inputs -> model -> ModelRunnerOutput
 
-It returns the logits of each sequence's last scheduled token, prompt log-probabilities when asked,
-and how many tokens of each sequence now have their KV written, which the engine reports to
-`KVCacheManager.mark_computed` so full blocks become prefix-cache hits.
+It returns the logits of each sequence's last scheduled token and prompt log-probabilities when
+asked. Sequences are opaque names here (`ScheduledSequence.seq_id`); the worker never interprets them.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,13 +22,12 @@ from kvpage.worker.kv_cache import KVCache
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    seq_ids: list[str]  # the sequences whose last-token logits are returned, in row order
+    seq_ids: list[Hashable]  # the sequences whose last-token logits are returned, in row order
     logits: torch.Tensor  # [len(seq_ids), vocab] float32
-    num_computed: dict[str, int]  # seq_id -> tokens whose KV is now in the cache
     # seq_id -> [len(chunk), vocab] float32 log-softmax; row i is the distribution of the token after token i
-    prompt_logprobs: dict[str, torch.Tensor] = field(default_factory=dict)
+    prompt_logprobs: dict[Hashable, torch.Tensor] = field(default_factory=dict)
 
-    def logits_of(self, seq_id: str) -> torch.Tensor:
+    def logits_of(self, seq_id: Hashable) -> torch.Tensor:
         return self.logits[self.seq_ids.index(seq_id)]
 
 
@@ -47,14 +46,13 @@ class ModelRunner:
         kv.swap_in(step.swap_in)
         kv.copy_blocks(step.copies)
         t1 = time.perf_counter()
-        num_computed = {s.seq_id: s.seq_len for s in step.sequences}
         if not step.sequences:
-            return ModelRunnerOutput([], torch.empty(0), num_computed)
+            return ModelRunnerOutput([], torch.empty(0))
         inputs = build_inputs(step.sequences, kv.block_size, self.device)
         t2 = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, kv.layers, inputs.meta)
         logits = self.model.compute_logits(hidden[inputs.logits_index]).float()
-        out = ModelRunnerOutput(inputs.logits_seq_ids, logits, num_computed)
+        out = ModelRunnerOutput(inputs.logits_seq_ids, logits)
         start = 0
         for s in inputs.sequences:
             end = start + len(s.token_ids)

@@ -3,18 +3,29 @@
 The worker keeps K/V tensors indexed by slot; here each slot holds the token id whose KV it stores.
 Applying the core's plans (slot mapping, copy-on-write pairs, swap mappings) to it and reading every
 sequence back through its block table shows that no plan ever overwrote another sequence's KV.
+
+The manager owns blocks, not tokens: the test owns every sequence's token ids (`tokens`, shared by
+reference, as a request owns them) and this model reads them from there.
+
+A failed step is modelled too: while a journal is open, every token written records the slot's
+previous content, and `rollback()` restores it (the KV of a step that never ran was never written).
+Block copies (copy-on-write, swap) are not journalled: the worker performs them before the forward.
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
 
 from kvpage.core import KVCacheManager, SlotAllocation
 
 
 class KVMemory:
-    def __init__(self, mgr: KVCacheManager) -> None:
+    def __init__(self, mgr: KVCacheManager, tokens: Mapping[Hashable, Sequence[int]]) -> None:
         self.mgr = mgr
+        self.tokens = tokens  # the test's own token lists; never copied
         self.gpu: dict[int, int] = {}  # slot -> token id
         self.cpu: dict[int, int] = {}
+        self._journal: list[tuple[int, int | None]] = []  # (gpu slot, previous token) of this step's writes
 
     def _copy_blocks(self, src: dict[int, int], dst: dict[int, int], pairs: list[tuple[int, int]]) -> None:
         bs = self.mgr.block_size
@@ -25,13 +36,34 @@ class KVMemory:
                 else:
                     dst.pop(d * bs + off, None)
 
-    def apply(self, seq_id: str, alloc: SlotAllocation, num_new: int) -> None:
-        """Copy-on-write first, then write the new tokens' KV into their slots."""
-        self._copy_blocks(self.gpu, self.gpu, alloc.copies)
-        n = self.mgr.num_tokens(seq_id)
-        tokens = self.mgr.token_ids(seq_id)
-        for t, slot in zip(range(n - num_new, n), self.mgr.slot_mapping(seq_id, n - num_new, n), strict=True):
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write on the GPU pool."""
+        self._copy_blocks(self.gpu, self.gpu, pairs)
+
+    def write(self, seq_id: Hashable, start: int, end: int) -> None:
+        """The model wrote the KV of tokens [start, end) of the sequence into their slots."""
+        tokens = self.tokens[seq_id]
+        for t, slot in zip(range(start, end), self.mgr.slot_mapping(seq_id, start, end), strict=True):
+            self._journal.append((slot, self.gpu.get(slot)))
             self.gpu[slot] = tokens[t]
+
+    def apply(self, seq_id: Hashable, alloc: SlotAllocation, num_new: int) -> None:
+        """Copy-on-write first, then write the last `num_new` tokens' KV into their slots."""
+        self.copy(alloc.copies)
+        n = self.mgr.num_tokens(seq_id)
+        self.write(seq_id, n - num_new, n)
+
+    def commit(self) -> None:
+        self._journal.clear()
+
+    def rollback(self) -> None:
+        """Undo every token written since the last commit, newest first."""
+        for slot, prev in reversed(self._journal):
+            if prev is None:
+                self.gpu.pop(slot, None)
+            else:
+                self.gpu[slot] = prev
+        self._journal.clear()
 
     def swap(self, pairs: list[tuple[int, int]], *, to_cpu: bool) -> None:
         if to_cpu:
@@ -39,12 +71,18 @@ class KVMemory:
         else:
             self._copy_blocks(self.cpu, self.gpu, pairs)
 
-    def read(self, seq_id: str) -> list[int | None]:
+    def read(self, seq_id: Hashable) -> list[int | None]:
         bs = self.mgr.block_size
         mem = self.cpu if self.mgr.is_swapped(seq_id) else self.gpu
         table = self.mgr.block_table(seq_id)
         return [mem.get(table[t // bs] * bs + t % bs) for t in range(self.mgr.num_tokens(seq_id))]
 
-    def check(self) -> None:
+    def check(self, computed: Mapping[Hashable, int] | None = None) -> None:
+        """Every sequence reads back its own tokens: all of them, or its first `computed[seq_id]`
+        (the tokens whose KV the model has written)."""
+        assert set(self.mgr.seq_ids()) == set(self.tokens), "the test's sequences and the manager's differ"
         for seq_id in self.mgr.seq_ids():
-            assert self.read(seq_id) == self.mgr.token_ids(seq_id), f"{seq_id} reads back other KV"
+            tokens = self.tokens[seq_id]
+            assert len(tokens) == self.mgr.num_tokens(seq_id), f"{seq_id}: slots for other than its tokens"
+            n = len(tokens) if computed is None else computed[seq_id]
+            assert self.read(seq_id)[:n] == list(tokens[:n]), f"{seq_id} reads back other KV"

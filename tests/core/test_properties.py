@@ -1,9 +1,14 @@
 """Property-based tests: random operation sequences against the KV-cache manager.
 
-Every operation is followed by `check_invariants()` and by reading every sequence back through its
-block table from a token-level model of the physical memory (`KVMemory`), so a plan that overwrote
-a shared block, lost a copy-on-write or swapped the wrong block is caught where it happens. Each
-run ends by freeing everything and checking the pools are fully free.
+The test owns every sequence's tokens (as requests do) and a token-level model of the physical
+memory (`KVMemory`). Operations are grouped into steps, as the scheduler groups them: a step
+allocates, computes (writes KV, `cache_blocks`), forks and admits, and then either runs (`commit`)
+or fails (`discard_uncommitted`: its KV writes are undone, the sequences it created are freed and
+the others fall back to what they had computed before it). Every operation is followed by
+`check_invariants(tokens)` and by reading every sequence's computed tokens back through its block
+table, so a plan that overwrote a shared block, lost a copy-on-write, swapped the wrong block or
+served a hit whose KV was never written is caught where it happens. Each run ends by freeing
+everything and checking the pools are fully free.
 """
 
 from hypothesis import HealthCheck, settings
@@ -30,8 +35,11 @@ class ManagerMachine(RuleBasedStateMachine):
         self.mgr = KVCacheManager(
             num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=caching, watermark=watermark
         )
-        self.mem = KVMemory(self.mgr)
-        self.computed: dict[str, int] = {}  # tokens whose KV the "model" has reported written
+        self.tokens: dict[str, list[int]] = {}  # every sequence's token ids: the test owns them
+        self.computed: dict[str, int] = {}  # leading tokens whose KV the "model" has written
+        self.mem = KVMemory(self.mgr, self.tokens)
+        self.created: set[str] = set()  # sequences created in the current step
+        self.step_start: dict[str, int] = {}  # computed count before the current step, of those it touched
         self.next_id = 0
 
     def resident(self):
@@ -40,66 +48,162 @@ class ManagerMachine(RuleBasedStateMachine):
     def swapped(self):
         return [s for s in self.mgr.seq_ids() if self.mgr.is_swapped(s)]
 
+    def untouched(self):
+        """Sequences the current step has not scheduled: the only ones that may be freed or preempted
+        mid-step (blocks registered by a step must stay held until it ends)."""
+        return [s for s in self.mgr.seq_ids() if s not in self.created and s not in self.step_start]
+
+    def new_id(self) -> str:
+        self.next_id += 1
+        return f"s{self.next_id - 1}"
+
+    def touch(self, seq_id):
+        self.step_start.setdefault(seq_id, self.computed[seq_id])
+
+    def created_now(self, seq_id, tokens, computed):
+        self.tokens[seq_id], self.computed[seq_id] = tokens, computed
+        self.created.add(seq_id)
+
+    def forget(self, seq_id):
+        del self.tokens[seq_id], self.computed[seq_id]
+
     @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(tokens, max_size=10), salt=st.sampled_from([None, "t"]))
     def add(self, prefix, suffix, salt):
         prompt = prefix + suffix
         if not prompt:
             return
-        seq_id = f"s{self.next_id}"
-        self.next_id += 1
+        seq_id = self.new_id()
         hit = self.mgr.find_cached_prefix(prompt, salt)
         assert hit.num_tokens < len(prompt) and hit.num_tokens % self.mgr.block_size == 0
-        admission = self.mgr.check_admission(len(prompt), hit)
+        admission = self.mgr.check_admission([prompt], salt)
+        assert admission.prefix.block_ids == hit.block_ids and admission.shared_blocks == [0]
         before = self.mgr.stats()
-        alloc = self.mgr.allocate_slots(seq_id, prompt[hit.num_tokens :], hit)
+        alloc = self.mgr.allocate_slots(seq_id, len(prompt) - hit.num_tokens, hit)
         if alloc is None:
             assert admission.status is not AdmissionStatus.NOW
             assert self.mgr.stats() == before and not self.mgr.has_sequence(seq_id)
             return
-        self.mem.apply(seq_id, alloc, len(prompt) - hit.num_tokens)
-        assert self.mgr.token_ids(seq_id) == prompt
-        self.computed[seq_id] = hit.num_tokens
+        assert alloc.copies == []
+        self.created_now(seq_id, prompt, hit.num_tokens)  # the hits' KV is there already
 
-    @precondition(lambda self: self.resident())
-    @rule(data=st.data(), new=st.lists(tokens, min_size=1, max_size=6))
-    def append(self, data, new):
-        seq_id = data.draw(st.sampled_from(self.resident()))
-        before = (self.mgr.stats(), self.mgr.block_table(seq_id))
-        alloc = self.mgr.allocate_slots(seq_id, new)
-        if alloc is None:
-            assert (self.mgr.stats(), self.mgr.block_table(seq_id)) == before
+    @rule(
+        data=st.data(),
+        prefix=st.sampled_from(PREFIXES),
+        suffix=st.lists(tokens, min_size=1, max_size=10),
+        num_siblings=st.integers(0, 2),
+        salt=st.sampled_from([None, "t"]),
+        use_prefix_cache=st.booleans(),
+        keep_watermark=st.booleans(),
+    )
+    def admit_group(self, data, prefix, suffix, num_siblings, salt, use_prefix_cache, keep_watermark):
+        """A request with several live sequences (samples or beams brought back) enters at once."""
+        lead = prefix + suffix
+        lists = [lead]
+        for _ in range(num_siblings):
+            agree = data.draw(st.integers(0, len(lead)))
+            lists.append(lead[:agree] + data.draw(st.lists(tokens, min_size=0 if agree else 1, max_size=8)))
+        adm = self.mgr.check_admission(lists, salt, use_prefix_cache=use_prefix_cache, keep_watermark=keep_watermark)
+        hits = adm.prefix.block_ids
+        bs, pool = self.mgr.block_size, self.mgr.pool
+        assert use_prefix_cache or hits == []
+        if adm.status is AdmissionStatus.NEVER:
+            assert adm.blocks_needed + len(hits) > pool.num_total
+            assert (f"its {len(lists)} sequences need" if len(lists) > 1 else "it needs") in adm.reason
             return
-        assert len(alloc.copies) <= 1
-        self.mem.apply(seq_id, alloc, len(new))
+        assert adm.reason is None and (adm.status is AdmissionStatus.NOW) == (adm.blocks_needed <= adm.blocks_available)
+        if adm.status is not AdmissionStatus.NOW:
+            return
+        ids = [self.new_id() for _ in lists]
+        free_before = pool.num_free
+        taken_hits = sum(pool.blocks[b].ref_count == 0 for b in hits)
+        self.mgr.admit(ids, lists, adm)
+        assert free_before - pool.num_free == adm.blocks_needed + taken_hits  # the plan's count is exact
+        lead_table = self.mgr.block_table(ids[0])
+        assert lead_table[: len(hits)] == hits
+        for i, (seq_id, toks, m) in enumerate(zip(ids, lists, adm.shared_blocks, strict=True)):
+            assert self.mgr.num_tokens(seq_id) == len(toks)
+            assert self.mgr.block_table(seq_id)[:m] == lead_table[:m] and toks[: m * bs] == lead[: m * bs]
+            # KV written so far: the hits (the lead computes the rest of the blocks it shares later)
+            self.created_now(seq_id, list(toks), (len(hits) if i == 0 else min(m, len(hits))) * bs)
 
     @precondition(lambda self: self.resident())
     @rule(data=st.data())
-    def mark_computed(self, data):
+    def append(self, data):
+        """Some sequences get slots for new tokens, one after the other, taking exactly the blocks
+        `num_blocks_to_grow` predicted (copy-on-write of shared partial blocks included)."""
+        group = data.draw(st.lists(st.sampled_from(self.resident()), min_size=1, max_size=3, unique=True))
+        growth = [(s, data.draw(st.lists(tokens, min_size=1, max_size=6))) for s in group]
+        predicted = self.mgr.num_blocks_to_grow([(s, len(new)) for s, new in growth])
+        free_before, all_fit = self.mgr.pool.num_free, True
+        for seq_id, new in growth:
+            before = (self.mgr.stats(), self.mgr.block_table(seq_id))
+            alloc = self.mgr.allocate_slots(seq_id, len(new))
+            if alloc is None:
+                assert (self.mgr.stats(), self.mgr.block_table(seq_id)) == before
+                all_fit = False
+                continue
+            assert len(alloc.copies) <= 1
+            self.touch(seq_id)
+            self.tokens[seq_id].extend(new)
+            self.mem.copy(alloc.copies)
+        assert all_fit or predicted > free_before
+        if all_fit:
+            assert free_before - self.mgr.pool.num_free == predicted
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def compute(self, data):
+        """The step computes tokens [computed, n) of a sequence: the model writes their KV, and the
+        scheduler registers the full blocks (hits for sequences admitted later in the same step)."""
         seq_id = data.draw(st.sampled_from(self.resident()))
-        n = data.draw(st.integers(self.computed[seq_id], self.mgr.num_tokens(seq_id)))
-        self.mgr.mark_computed(seq_id, n)
+        start = self.computed[seq_id]
+        n = data.draw(st.integers(start, self.mgr.num_tokens(seq_id)))
+        self.touch(seq_id)
+        self.mem.write(seq_id, start, n)
+        self.mgr.cache_blocks(seq_id, self.tokens[seq_id], n)
         self.computed[seq_id] = n
 
     @precondition(lambda self: self.resident())
     @rule(data=st.data())
     def fork(self, data):
         parent = data.draw(st.sampled_from(self.resident()))
-        child = f"s{self.next_id}"
-        self.next_id += 1
-        self.mgr.fork(parent, child)
-        self.computed[child] = self.computed[parent]
+        num_full = self.mgr.num_tokens(parent) // self.mgr.block_size
+        num_blocks = data.draw(st.none() | st.integers(0, num_full))
+        child = self.new_id()
+        self.mgr.fork(parent, child, num_blocks)
+        n = len(self.tokens[parent]) if num_blocks is None else num_blocks * self.mgr.block_size
+        self.created_now(child, self.tokens[parent][:n], min(n, self.computed[parent]))
 
-    @precondition(lambda self: self.mgr.seq_ids())
+    @rule(ok=st.booleans())
+    def end_step(self, ok):
+        if ok:
+            self.mgr.commit()
+            self.mem.commit()
+        else:
+            self.mgr.discard_uncommitted()  # before any of the step's sequences is freed
+            self.mem.rollback()
+            for seq_id in self.created:
+                if self.mgr.has_sequence(seq_id):
+                    self.mgr.free(seq_id)
+                    self.forget(seq_id)
+            for seq_id, n in self.step_start.items():
+                if seq_id in self.computed:
+                    self.computed[seq_id] = n
+        self.created.clear()
+        self.step_start.clear()
+
+    @precondition(lambda self: self.untouched())
     @rule(data=st.data())
     def free(self, data):  # finished or aborted (mid-prefill when computed < tokens)
-        seq_id = data.draw(st.sampled_from(self.mgr.seq_ids()))
+        seq_id = data.draw(st.sampled_from(self.untouched()))
         self.mgr.free(seq_id)
-        del self.computed[seq_id]
+        self.forget(seq_id)
 
-    @precondition(lambda self: self.resident())
+    @precondition(lambda self: [s for s in self.untouched() if not self.mgr.is_swapped(s)])
     @rule(data=st.data())
     def swap_out(self, data):
-        group = data.draw(st.lists(st.sampled_from(self.resident()), min_size=1, max_size=3, unique=True))
+        victims = [s for s in self.untouched() if not self.mgr.is_swapped(s)]
+        group = data.draw(st.lists(st.sampled_from(victims), min_size=1, max_size=3, unique=True))
         before = self.mgr.stats()
         pairs = self.mgr.swap_out(group)
         if pairs is None:
@@ -122,12 +226,13 @@ class ManagerMachine(RuleBasedStateMachine):
     def consistent(self):
         if not hasattr(self, "mgr"):
             return
-        self.mgr.check_invariants()
-        self.mem.check()
+        self.mgr.check_invariants(self.tokens)
+        self.mem.check(self.computed)
 
     def teardown(self):
         if not hasattr(self, "mgr"):
             return
+        self.end_step(ok=True)
         for seq_id in self.mgr.seq_ids():
             self.mgr.free(seq_id)
         self.mgr.check_invariants()

@@ -19,7 +19,8 @@ def assert_clean(llm: LLM) -> None:
     """Every engine test ends here: no request left, the pool fully free, the bookkeeping consistent."""
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests()
-    engine.kv_manager.check_invariants()
+    engine.scheduler.check_invariants()
     st = llm.cache_stats()
     assert st.used_blocks == 0 and st.cpu_used_blocks == 0 and st.free_blocks == st.total_blocks
-    assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.scheduler.swapped
+    sched = engine.scheduler
+    assert not sched.running and not sched.waiting and not sched.swapped and not sched.requests

@@ -75,16 +75,43 @@ def test_beam_search_equals_transformers(llm, prompts, hf_f32, width):
     assert_clean(llm)
 
 
+def blocks_of_beams(prompt: list[int], beams: list[list[int]], block_size: int) -> tuple[int, int]:
+    """(distinct blocks, logical blocks) the live beams must hold between two steps, from their tokens.
+
+    Between steps a beam has slots for all its tokens but the newest (the next step writes that
+    one), so its table has ceil(written / B) blocks. Two beams agree on a prefix exactly as far
+    back as their common ancestor; they hold the same block j iff they agree on every slot of it
+    that is written, positions [0, min((j+1)*B, written)):
+
+        beams forked in this step (they differ in the newest token only): every block shared,
+            the partly filled last one too: the fork copied nothing;
+        beams forked earlier: only blocks full of common tokens are shared; the next step after
+            the fork gave every holder of the shared partial block a copy (copy-on-write) but the
+            last, which wrote in place.
+    """
+    keys, logical = set(), 0
+    for out in beams:
+        tokens = prompt + out
+        written = len(tokens) - 1
+        num = -(-written // block_size)
+        keys.update(tuple(tokens[: min((j + 1) * block_size, written)]) for j in range(num))
+        logical += num
+    return len(keys), logical
+
+
 def test_beams_share_blocks_and_pruned_beams_free_theirs(llm, prompts):
-    engine = llm.llm_engine
-    engine.add_request("beam", prompts[7], BeamSearchParams(beam_width=4, max_tokens=40, ignore_eos=True))
-    peak_logical = peak_used = 0
+    engine, prompt, bs = llm.llm_engine, prompts[7], 16
+    engine.add_request("beam", prompt, BeamSearchParams(beam_width=4, max_tokens=40, ignore_eos=True))
+    num_steps = shared_steps = 0
     while engine.has_unfinished_requests():
-        engine.step()
+        (out,) = engine.step()  # the prompt is one chunk, so every step advances the beams
+        num_steps += 1
         st = llm.cache_stats()
-        assert st.num_seqs <= 4
-        if st.logical_blocks > peak_logical:
-            peak_logical, peak_used = st.logical_blocks, st.used_blocks
-    # four independent copies would store every logical block; the beams share their common prefix
-    assert peak_used < 0.6 * peak_logical
+        beams = [] if out.finished else [c.token_ids for c in out.outputs]
+        assert all(len(b) == num_steps for b in beams) and st.num_seqs == len(beams)
+        expected_used, expected_logical = blocks_of_beams(prompt, beams, bs)
+        assert (st.used_blocks, st.logical_blocks) == (expected_used, expected_logical), num_steps
+        shared_steps += expected_used < expected_logical
+    assert num_steps == 40 and out.finished and len(out.outputs) == 4
+    assert shared_steps == 39  # the beams shared blocks at every step but the last (all freed)
     assert_clean(llm)

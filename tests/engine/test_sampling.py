@@ -99,12 +99,44 @@ def test_text_is_incremental_utf8_and_matches_full_decode(llm):
     assert_clean(llm)
 
 
-def test_penalties_change_greedy_output(llm, prompts):
-    base = llm.generate([prompts[3]], greedy(20), use_tqdm=False)[0].outputs[0].token_ids
-    rep = llm.generate([prompts[3]], greedy(20, repetition_penalty=1.5), use_tqdm=False)[0].outputs[0].token_ids
-    freq = llm.generate([prompts[3]], greedy(20, frequency_penalty=2.0), use_tqdm=False)[0].outputs[0].token_ids
-    assert rep != base and freq != base
-    assert len(set(freq)) >= len(set(base))
+def hf_penalized_greedy(
+    hf, prompt: list[int], n: int, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0
+) -> list[int]:
+    """The oracle: transformers' greedy decoding with its own repetition penalty (over prompt and
+    output, positive logits divided, negative ones multiplied), then OpenAI's presence and frequency
+    penalties over the output tokens only: logit[t] -= frequency * count[t] + presence * (count[t] > 0)."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class OpenAIPenalties(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            counts = torch.bincount(input_ids[0, len(prompt) :], minlength=scores.shape[-1]).to(scores.dtype)
+            return scores - frequency_penalty * counts - presence_penalty * (counts > 0).to(scores.dtype)
+
+    ids = torch.tensor([prompt])
+    processors = LogitsProcessorList([OpenAIPenalties()])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          repetition_penalty=repetition_penalty, logits_processor=processors)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        dict(repetition_penalty=1.5),
+        dict(frequency_penalty=2.0),
+        dict(presence_penalty=2.0),
+        dict(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5),
+    ],
+    ids=["repetition", "frequency", "presence", "all-three"],
+)
+def test_penalties_match_transformers_token_for_token(llm, prompts, hf_f32, penalties):
+    p, n = prompts[3], 16
+    base = llm.generate([p], greedy(n), use_tqdm=False)[0].outputs[0].token_ids
+    ours = llm.generate([p], greedy(n, **penalties), use_tqdm=False)[0].outputs[0].token_ids
+    assert ours == hf_penalized_greedy(hf_f32, p, n, **penalties)
+    assert ours != base  # the penalty did change the greedy continuation
     assert_clean(llm)
 
 

@@ -54,16 +54,21 @@ def test_logits_over_a_ragged_batch_match_transformers(pair):
     with torch.no_grad():
         ref = [torch.log_softmax(hf(torch.tensor([s])).logits[0].float(), -1) for s in seqs]
     runner, mgr = make_runner(ours, 32, 4)
+    owned = {f"s{i}": s for i, s in enumerate(seqs)}  # the test owns the tokens; the manager counts them
     # earlier steps: the first 29 tokens of seq 0 and the first 25 of seq 2 are already cached
     for i, done in ((0, 29), (2, 25)):
-        mgr.allocate_slots(f"s{i}", seqs[i][:done])
+        mgr.allocate_slots(f"s{i}", done)
+        mgr.cache_blocks(f"s{i}", seqs[i], done)
         runner.execute(SchedulerOutput([ScheduledSequence(f"s{i}", seqs[i][:done], 0, mgr.block_table(f"s{i}"))]))
-        mgr.mark_computed(f"s{i}", done)
+        mgr.commit()
     step = []
     for i, done in ((0, 29), (1, 0), (2, 25)):
-        mgr.allocate_slots(f"s{i}", seqs[i][done:])
+        mgr.allocate_slots(f"s{i}", len(seqs[i]) - done)
+        mgr.cache_blocks(f"s{i}", seqs[i], len(seqs[i]))
         step.append(ScheduledSequence(f"s{i}", seqs[i][done:], done, mgr.block_table(f"s{i}"), prompt_logprobs=True))
     out = runner.execute(SchedulerOutput(step))
+    mgr.commit()
+    mgr.check_invariants(owned)
     for i, done in ((0, 29), (1, 0), (2, 25)):
         torch.testing.assert_close(out.prompt_logprobs[f"s{i}"], ref[i][done:], atol=2e-4, rtol=1e-4)
         torch.testing.assert_close(torch.log_softmax(out.logits_of(f"s{i}"), -1), ref[i][-1], atol=2e-4, rtol=1e-4)
@@ -81,6 +86,24 @@ def test_greedy_generation_matches_transformers(pair):
             want = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                                pad_token_id=0)[0, len(p):].tolist()  # fmt: skip
         assert got == want
+    assert_pool_clean(mgr)
+
+
+def test_in_batch_prefix_hit_matches_transformers(pair):
+    """A prompt planned after another in the same step hits the blocks that step is writing: its
+    chunk attends to KV written earlier in the same forward (every layer writes before it attends)."""
+    _, hf, ours = pair
+    prompts = [list(range(30, 60)), list(range(30, 50)) + [7, 7]]  # 20 tokens (5 blocks of 4) in common
+    runner, mgr = make_runner(ours, 32, 4)
+    r = greedy_generate(runner, mgr, prompts, 6)
+    assert r.hit_tokens == [0, 20]
+    for p, got, first in zip(prompts, r.tokens, r.first_logits, strict=True):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(p):].tolist()  # fmt: skip
+            logits = hf(torch.tensor([p])).logits[0, -1].float()
+        assert got == want
+        torch.testing.assert_close(first, logits, atol=2e-4, rtol=1e-4)
     assert_pool_clean(mgr)
 
 

@@ -2,7 +2,10 @@
 
 It plays the scheduler's part in the simplest way (no preemption, a pool big enough for all):
 each step every sequence gets its next prompt chunk, or its last sampled token; blocks come from
-`KVCacheManager.allocate_slots`, prefix-cache hits from `find_cached_prefix`.
+`KVCacheManager.allocate_slots`, prefix-cache hits from `find_cached_prefix`. As the scheduler does,
+it registers the full blocks a step computes (`cache_blocks`) as soon as the step is planned, so a
+prompt arriving later in the same step hits them, and commits after the step ran. The driver owns
+each sequence's tokens (the manager only counts them).
 """
 
 from __future__ import annotations
@@ -48,25 +51,25 @@ def greedy_generate(
         for i, seq_id in enumerate(ids):
             if len(generated[i]) >= max_new_tokens or start_steps[i] > step_no:
                 continue
+            prefix = None
             if not mgr.has_sequence(seq_id):
                 prefix = mgr.find_cached_prefix(tokens[i])
                 computed[i] = hits[i] = prefix.num_tokens
-                end = len(tokens[i]) if chunk_size is None else min(len(tokens[i]), computed[i] + chunk_size)
-                alloc = mgr.allocate_slots(seq_id, tokens[i][computed[i] : end], prefix)
-            else:
-                end = len(tokens[i]) if chunk_size is None else min(len(tokens[i]), computed[i] + chunk_size)
-                alloc = mgr.allocate_slots(seq_id, tokens[i][mgr.num_tokens(seq_id) : end])
+            end = len(tokens[i]) if chunk_size is None else min(len(tokens[i]), computed[i] + chunk_size)
+            num_slots = mgr.num_tokens(seq_id) if prefix is None else prefix.num_tokens
+            alloc = mgr.allocate_slots(seq_id, end - num_slots, prefix)
             assert alloc is not None and not alloc.copies, "the test pool must be large enough"
+            mgr.cache_blocks(seq_id, tokens[i], end)  # hits for prompts planned after this one
             step.append(
                 ScheduledSequence(
                     seq_id, tokens[i][computed[i] : end], computed[i], mgr.block_table(seq_id), end == len(tokens[i])
                 )
             )
         out = runner.execute(SchedulerOutput(step))
+        mgr.commit()
         for s in step:
             i = ids.index(s.seq_id)
-            computed[i] = out.num_computed[s.seq_id]
-            mgr.mark_computed(s.seq_id, computed[i])
+            computed[i] = s.seq_len
             if s.return_logits:
                 logits = out.logits_of(s.seq_id)
                 if first[i] is None:
@@ -74,6 +77,7 @@ def greedy_generate(
                 nxt = int(torch.argmax(logits))
                 generated[i].append(nxt)
                 tokens[i].append(nxt)
+        mgr.check_invariants({seq_id: t for seq_id, t in zip(ids, tokens, strict=True) if mgr.has_sequence(seq_id)})
     if free_at_end:
         for seq_id in ids:
             mgr.free(seq_id)

@@ -15,14 +15,18 @@ def hf_continue(hf, tokens: list[int], n: int) -> list[int]:
     return out[0, len(tokens) :].tolist()
 
 
-def run(runner, mgr, seq_id, new_tokens, *, prefix=None, swap_out=(), swap_in=(), prompt_logprobs=False):
-    """Allocate, execute one step for one sequence, report its KV written; returns (output, copies)."""
-    start = mgr.num_tokens(seq_id) if mgr.has_sequence(seq_id) else (prefix.num_tokens if prefix else 0)
-    alloc = mgr.allocate_slots(seq_id, new_tokens, prefix)
+def run(runner, mgr, seqs, seq_id, new_tokens, *, swap_out=(), swap_in=(), prompt_logprobs=False):
+    """Allocate, register and execute one step for one sequence; returns (output, copies).
+    `seqs` maps each sequence to its token ids: the test owns them, as a request would."""
+    start = mgr.num_tokens(seq_id) if mgr.has_sequence(seq_id) else 0
+    alloc = mgr.allocate_slots(seq_id, len(new_tokens))
     assert alloc is not None
+    seqs.setdefault(seq_id, []).extend(new_tokens)
     seq = ScheduledSequence(seq_id, new_tokens, start, mgr.block_table(seq_id), prompt_logprobs=prompt_logprobs)
+    mgr.cache_blocks(seq_id, seqs[seq_id], seq.seq_len)
     out = runner.execute(SchedulerOutput([seq], alloc.copies, list(swap_out), list(swap_in)))
-    mgr.mark_computed(seq_id, out.num_computed[seq_id])
+    mgr.commit()
+    mgr.check_invariants(seqs)
     return out, alloc.copies
 
 
@@ -32,8 +36,9 @@ def argmax(out, seq_id) -> int:
 
 def test_prompt_logprobs_match_transformers(smollm2, prompts, hf_f32):
     runner, mgr = make_runner(smollm2, 16, 16)
+    seqs: dict[str, list[int]] = {}
     p = prompts[2]
-    out, _ = run(runner, mgr, "p", p, prompt_logprobs=True)
+    out, _ = run(runner, mgr, seqs, "p", p, prompt_logprobs=True)
     with torch.no_grad():
         ref = torch.log_softmax(hf_f32(torch.tensor([p])).logits[0].float(), -1)
     assert out.prompt_logprobs["p"].shape == (len(p), smollm2.config.vocab_size)
@@ -44,20 +49,22 @@ def test_prompt_logprobs_match_transformers(smollm2, prompts, hf_f32):
 
 def test_forked_sequences_copy_the_shared_partial_block_and_stay_correct(smollm2, prompts, hf_f32):
     runner, mgr = make_runner(smollm2, 32, 16)
+    seqs: dict[str, list[int]] = {}
     p = prompts[3] + prompts[5]  # 4 + 15 tokens: the last block is partly filled
     assert len(p) % 16 != 0
-    out, _ = run(runner, mgr, "a", p)
+    out, _ = run(runner, mgr, seqs, "a", p)
     first = argmax(out, "a")
     mgr.fork("a", "b")
+    seqs["b"] = list(seqs["a"])
     assert mgr.stats().shared_blocks == len(mgr.block_table("a"))
     # the two samples continue with different tokens; the first writer gets a copy of the shared block
-    out_a, copies_a = run(runner, mgr, "a", [first])
-    out_b, copies_b = run(runner, mgr, "b", [first + 1])
+    out_a, copies_a = run(runner, mgr, seqs, "a", [first])
+    out_b, copies_b = run(runner, mgr, seqs, "b", [first + 1])
     assert len(copies_a) == 1 and copies_b == []
     tokens = {"a": [first, argmax(out_a, "a")], "b": [first + 1, argmax(out_b, "b")]}
     for _ in range(6):
         for s in ("a", "b"):
-            out, copies = run(runner, mgr, s, [tokens[s][-1]])
+            out, copies = run(runner, mgr, seqs, s, [tokens[s][-1]])
             assert copies == []
             tokens[s].append(argmax(out, s))
     assert tokens["a"][1:] == hf_continue(hf_f32, p + [first], 7)
@@ -69,21 +76,23 @@ def test_forked_sequences_copy_the_shared_partial_block_and_stay_correct(smollm2
 
 def test_swap_out_overwrite_swap_in_continues_correctly(smollm2, prompts, hf_f32):
     runner, mgr = make_runner(smollm2, 6, 16, num_cpu_blocks=4, enable_prefix_caching=False)
+    seqs: dict[str, list[int]] = {}
     p = prompts[0]  # about 40 tokens: 3 blocks
-    out, _ = run(runner, mgr, "a", p)
+    out, _ = run(runner, mgr, seqs, "a", p)
     tokens = [argmax(out, "a")]
     pairs = mgr.swap_out(["a"])
     assert pairs is not None and len(pairs) == 3
     # another request takes every device block, overwriting a's KV there
     other = (prompts[7] + prompts[6] + prompts[2])[:90]
-    out_o, _ = run(runner, mgr, "o", other, swap_out=pairs)
+    out_o, _ = run(runner, mgr, seqs, "o", other, swap_out=pairs)
     assert sorted(mgr.block_table("o")) == list(range(6))
     mgr.free("o")
+    del seqs["o"]
     back = mgr.swap_in(["a"])
-    out, _ = run(runner, mgr, "a", [tokens[-1]], swap_in=back)
+    out, _ = run(runner, mgr, seqs, "a", [tokens[-1]], swap_in=back)
     tokens.append(argmax(out, "a"))
     for _ in range(4):
-        out, _ = run(runner, mgr, "a", [tokens[-1]])
+        out, _ = run(runner, mgr, seqs, "a", [tokens[-1]])
         tokens.append(argmax(out, "a"))
     assert tokens[1:] == hf_continue(hf_f32, p + tokens[:1], 5)
     mgr.free("a")
