@@ -29,6 +29,14 @@ from kvpage.outputs import CompletionOutput
 _NEG = -1e9
 
 
+def _length_norm(t: int, length_penalty: float) -> float:
+    """t ** length_penalty, saturating to inf instead of raising for extreme penalties (1e308)."""
+    try:
+        return float(t) ** length_penalty
+    except OverflowError:
+        return float("inf")
+
+
 @dataclass(slots=True)
 class _Hypothesis:
     token_ids: list[int]  # generated tokens, the EOS included
@@ -80,7 +88,7 @@ class BeamSearch:
         self.step_no += 1
         t = self.step_no
         at_limit = t >= self.max_tokens
-        norm = vals / float(t**self.length_penalty)
+        norm = vals / _length_norm(t, self.length_penalty)
         running: list[tuple[Sequence, int, torch.Tensor]] = []
         new_finished = []
         for j in range(num_cand):
@@ -99,7 +107,7 @@ class BeamSearch:
         self.finished = sorted(self.finished + new_finished, key=lambda h: -h.score)[:k]
         done = at_limit or not running
         if not done and len(self.finished) == k:
-            best = running[0][2] / float(t**self.length_penalty)
+            best = running[0][2] / _length_norm(t, self.length_penalty)
             done = not bool(best > min(h.score for h in self.finished))
         if done:
             return BeamPlan([], True)
