@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint bench install clean
+.PHONY: run test test-slow lint bench install clean
 
 run: $(STAMP)
 	$(VENV)/bin/kvpage demo
@@ -15,7 +15,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check kvpage tests benchmarks
 	$(PY) -m ruff format --check kvpage tests benchmarks
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=12
+
+# The long versions: the scheduler simulation over 20,000 seeded workloads (CI runs 1,000).
+test-slow: $(STAMP)
+	$(PY) -m kvpage.tools.scheduler_sim --seeds 20000
 
 lint: $(STAMP)
 	$(PY) -m ruff check kvpage tests benchmarks

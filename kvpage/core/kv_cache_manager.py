@@ -272,6 +272,12 @@ class KVCacheManager:
     def num_blocks_to_swap_in(self, seq_ids: Sequence[SeqId]) -> int:
         return len({b for s in seq_ids for b in self._seq(s).block_ids})
 
+    def can_swap_in(self, seq_ids: Sequence[SeqId], *, keep_watermark: bool = True) -> bool:
+        """Would `swap_in(seq_ids)` find its blocks now, keeping the watermark when asked (the same
+        rule as `check_admission`: the watermark is for running sequences to grow into)?"""
+        need = self.num_blocks_to_swap_in(seq_ids)
+        return need <= self.pool.num_free - (self.watermark_blocks if keep_watermark else 0)
+
     # ------------------------------------------------------------------ allocation
     def allocate_slots(
         self, seq_id: SeqId, num_new_tokens: int, prefix: CachedPrefix | None = None

@@ -37,7 +37,7 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: Extra
     if sys.byteorder != "little":
         tokens.byteswap()
     h.update(tokens.tobytes())
-    h.update(json.dumps(list(extra_keys)).encode())
+    h.update(json.dumps(list(extra_keys)).encode() if extra_keys else b"[]")  # every block but a salted first
     return h.digest()
 
 

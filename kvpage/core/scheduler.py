@@ -30,7 +30,7 @@ If the worker raised instead, `fail_step` fails the step's requests and forgets 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from kvpage.core.admission import AdmissionStatus
 from kvpage.core.kv_cache_manager import InvariantError, KVCacheManager
@@ -220,9 +220,7 @@ class Scheduler:
         while self.swapped:
             req = self.swapped[0]
             live = [s.key for s in req.live_sequences]
-            need = self.kv.num_blocks_to_swap_in(live)
-            free = self.kv.pool.num_free
-            if need > free - self.kv.watermark_blocks and (self.running or need > free):
+            if not self.kv.can_swap_in(live, keep_watermark=bool(self.running)):
                 return budget
             if self.running and self.num_running_seqs() + max(len(live), req.width) > self.max_num_seqs:
                 return budget
@@ -375,22 +373,29 @@ class Scheduler:
         _check(len(listed) == len({id(r) for r in listed}) == len(self.requests), "a request is queued twice or lost")
         held = set()
         for req in listed:
-            _check(req in queues[req.status], f"{req.request_id}: status {req.status} but queued elsewhere")
-            _check(self.requests.get(req.request_id) is req, f"{req.request_id}: not in the request map")
-            _check(all(s.index == i for i, s in enumerate(req.sequences)), f"{req.request_id}: sequence indices")
-            _check(bool(req.live_sequences), f"{req.request_id}: queued with no live sequence")
+            _check(req in queues[req.status], lambda: f"{req.request_id}: status {req.status} but queued elsewhere")
+            _check(self.requests.get(req.request_id) is req, lambda: f"{req.request_id}: not in the request map")
+            _check(
+                all(s.index == i for i, s in enumerate(req.sequences)), lambda: f"{req.request_id}: sequence indices"
+            )
+            _check(bool(req.live_sequences), lambda: f"{req.request_id}: queued with no live sequence")
             for seq in req.live_sequences:
                 has = self.kv.has_sequence(seq.key)
-                _check(has == (req.status is not RequestStatus.WAITING), f"{seq.key}: blocks for status {req.status}")
-                _check(0 <= seq.num_computed <= len(seq.token_ids), f"{seq.key}: computed count")
+                _check(
+                    has == (req.status is not RequestStatus.WAITING),
+                    lambda: f"{seq.key}: blocks for status {req.status}",
+                )
+                _check(0 <= seq.num_computed <= len(seq.token_ids), lambda: f"{seq.key}: computed count")
                 if has:
                     held.add(seq.key)
-                    _check(self.kv.is_swapped(seq.key) == (req.status is RequestStatus.SWAPPED), f"{seq.key}: pool")
+                    _check(
+                        self.kv.is_swapped(seq.key) == (req.status is RequestStatus.SWAPPED), lambda: f"{seq.key}: pool"
+                    )
                     n = self.kv.num_tokens(seq.key)
-                    _check(seq.num_computed <= n <= len(seq.token_ids), f"{seq.key}: {n} slots")
+                    _check(seq.num_computed <= n <= len(seq.token_ids), lambda: f"{seq.key}: {n} slots")
         _check(held == set(self.kv.seq_ids()), "the manager holds sequences no request owns")
 
 
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise InvariantError(message)
+def _check(ok: bool, message: str | Callable[[], str]) -> None:
+    if not ok:  # messages in loops come as lambdas: building them all would dominate the simulation
+        raise InvariantError(message if isinstance(message, str) else message())

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import assert_pool_free, wait_idle
+from tests.server.conftest import assert_pool_free, start_server, stop_server, wait_idle
 
 OK_CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 
@@ -92,3 +94,39 @@ def test_metrics_parse_and_move(server):
     assert after["kvpage:prefix_cache_hits_total"] > before["kvpage:prefix_cache_hits_total"]  # shared system prompt
     assert after["kvpage:kv_cache_blocks{state=cached}"] > 0
     assert_pool_free(server)
+
+
+def test_a_request_that_can_never_fit_fails_alone_and_the_server_keeps_answering():
+    """`kvpage serve --num-kv-blocks 45`, n = 16 with max_tokens 600: that request gets a 400 naming
+    why, while a request sent at the same time is served and later ones are too."""
+    s = start_server(num_kv_blocks=45, max_model_len=720)
+    try:
+        client = openai.AsyncOpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
+
+        async def wide():
+            try:
+                await client.completions.create(model="smollm2", prompt="Once upon a time", n=16, max_tokens=600,
+                                                temperature=0.8, extra_body={"ignore_eos": True})  # fmt: skip
+            except openai.BadRequestError as e:
+                return e
+            return None
+
+        async def small():
+            return await client.completions.create(model="smollm2", prompt="The capital of France is",
+                                                   max_tokens=8, temperature=0)  # fmt: skip
+
+        async def both():
+            return await asyncio.gather(wide(), small())
+
+        err, ok = asyncio.run(both())
+        assert err is not None and err.status_code == 400
+        assert "can never fit: its 16 sequences need" in err.message
+        assert ok.choices[0].finish_reason in ("length", "stop") and ok.choices[0].text
+        assert httpx.get(f"{s.url}/health").status_code == 200
+        again = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0).completions.create(
+            model="smollm2", prompt="The capital of France is", max_tokens=8, temperature=0
+        )
+        assert again.choices[0].text == ok.choices[0].text
+        assert_pool_free(s)
+    finally:
+        stop_server(s)
