@@ -245,12 +245,7 @@ class KVCacheManager:
 
     def num_blocks_needed(self, seq_id: SeqId, num_new_tokens: int) -> int:
         """Blocks `allocate_slots(seq_id, num_new_tokens)` would take, copy-on-write included."""
-        seq = self._seq(seq_id)
-        n = seq.num_tokens
-        if num_new_tokens <= 0:
-            return 0
-        copy_last = n % self.block_size != 0 and self.pool.blocks[seq.block_ids[-1]].ref_count > 1
-        return _cdiv(n + num_new_tokens, self.block_size) - len(seq.block_ids) + copy_last
+        return self.num_blocks_to_grow([(seq_id, num_new_tokens)])
 
     def num_blocks_to_grow(self, growth: Sequence[tuple[SeqId, int]]) -> int:
         """Blocks that `allocate_slots(seq_id, n)` for each (seq_id, n), in this order, would take.

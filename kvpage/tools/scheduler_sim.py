@@ -38,6 +38,16 @@ class SimulationError(AssertionError):
     """The scheduler broke a promise; the message names the seed and the step."""
 
 
+def copy_blocks(src: dict[int, int], dst: dict[int, int], pairs: list[tuple[int, int]], block_size: int) -> None:
+    """Copy whole blocks between slot -> token maps, as the worker copies K/V (empty slots too)."""
+    for s, d in pairs:
+        for off in range(block_size):
+            if s * block_size + off in src:
+                dst[d * block_size + off] = src[s * block_size + off]
+            else:
+                dst.pop(d * block_size + off, None)
+
+
 @dataclass(slots=True)
 class Workload:
     seed: int
@@ -204,18 +214,9 @@ class Simulation:
     # ------------------------------------------------------------------ the worker
     def _execute(self, out: SchedulerOutput) -> None:
         bs = self.w.block_size
-
-        def copy(src: dict[int, int], dst: dict[int, int], pairs) -> None:
-            for s, d in pairs:
-                for off in range(bs):
-                    if s * bs + off in src:
-                        dst[d * bs + off] = src[s * bs + off]
-                    else:
-                        dst.pop(d * bs + off, None)
-
-        copy(self.gpu, self.cpu, out.swap_out)
-        copy(self.cpu, self.gpu, out.swap_in)
-        copy(self.gpu, self.gpu, out.copies)
+        copy_blocks(self.gpu, self.cpu, out.swap_out, bs)
+        copy_blocks(self.cpu, self.gpu, out.swap_in, bs)
+        copy_blocks(self.gpu, self.gpu, out.copies, bs)
         for s in out.sequences:  # every layer writes the step's K/V first ...
             for pos, tok in enumerate(s.token_ids, start=s.num_computed):
                 self.gpu[s.block_table[pos // bs] * bs + pos % bs] = tok

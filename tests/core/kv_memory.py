@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 
 from kvpage.core import KVCacheManager, SlotAllocation
+from kvpage.tools.scheduler_sim import copy_blocks
 
 
 class KVMemory:
@@ -28,13 +29,7 @@ class KVMemory:
         self._journal: list[tuple[int, int | None]] = []  # (gpu slot, previous token) of this step's writes
 
     def _copy_blocks(self, src: dict[int, int], dst: dict[int, int], pairs: list[tuple[int, int]]) -> None:
-        bs = self.mgr.block_size
-        for s, d in pairs:
-            for off in range(bs):
-                if s * bs + off in src:
-                    dst[d * bs + off] = src[s * bs + off]
-                else:
-                    dst.pop(d * bs + off, None)
+        copy_blocks(src, dst, pairs, self.mgr.block_size)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write on the GPU pool."""

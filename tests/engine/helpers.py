@@ -11,6 +11,16 @@ def make_llm(**kw) -> LLM:
     return LLM("smollm2", **kw)
 
 
+def make_pressed_llm(num_kv_blocks: int, mode: str | None, swap_space: str = "64MiB", **kw) -> LLM:
+    """A tiny pool; `mode` forces a preemption mode ("swap" also gets a CPU pool), None keeps the default."""
+    kw.setdefault("max_model_len", num_kv_blocks * 16)
+    if mode is not None:
+        kw["preemption_mode"] = mode
+    if mode == "swap":
+        kw["swap_space"] = swap_space
+    return make_llm(num_kv_blocks=num_kv_blocks, **kw)
+
+
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, **GREEDY, **kw)
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tests.engine.helpers import assert_clean, greedy, make_llm
+from tests.engine.helpers import assert_clean, greedy, make_llm, make_pressed_llm
 from tests.engine.replay import replay
 
 N = 32
@@ -32,10 +32,7 @@ def test_prefix_caching_on_and_off(prompts, hf_f32_greedy, caching):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_forced_preemption(prompts, hf_f32_greedy, mode):
     # 12 blocks of 16 tokens for 8 requests of up to ~90 tokens each: preempted again and again
-    kw = dict(num_kv_blocks=12, max_model_len=192, preemption_mode=mode)
-    if mode == "swap":
-        kw["swap_space"] = "64MiB"
-    llm = make_llm(**kw)
+    llm = make_pressed_llm(12, mode, "64MiB", max_model_len=192)
     outs = llm.generate(prompts, greedy(N), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected(hf_f32_greedy)
     sched = llm.llm_engine.scheduler

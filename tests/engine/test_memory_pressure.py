@@ -11,7 +11,7 @@ import pytest
 
 from kvpage import BeamSearchParams, SamplingParams
 from tests.conftest import hf_greedy
-from tests.engine.helpers import assert_clean, greedy, make_llm
+from tests.engine.helpers import assert_clean, greedy, make_llm, make_pressed_llm
 from tests.engine.replay import replay
 from tests.engine.test_parallel_and_beam import hf_beams
 
@@ -23,12 +23,7 @@ N = 12
 )  # fmt: skip
 def test_three_requests_of_three_samples_in_a_tiny_pool(prompts, hf_f32_greedy, blocks, mode):
     # the defaults: prefix caching on, no swap space (recompute); "swap" gets a CPU pool
-    kw = dict(num_kv_blocks=blocks, max_model_len=blocks * 16)
-    if mode:
-        kw["preemption_mode"] = mode
-    if mode == "swap":
-        kw["swap_space"] = "32MiB"
-    llm = make_llm(**kw)
+    llm = make_pressed_llm(blocks, mode, "32MiB")
     chosen = [0, 2, 6]  # chat prompts of 3 to 4 blocks: the three requests need ~20 blocks together
     outs = llm.generate([prompts[i] for i in chosen], greedy(N, n=3), use_tqdm=False)
     for i, out in zip(chosen, outs, strict=True):
@@ -44,10 +39,7 @@ def test_three_requests_of_three_samples_in_a_tiny_pool(prompts, hf_f32_greedy, 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_beam_search_under_preemption_equals_transformers(prompts, hf_f32, mode):
-    kw = dict(num_kv_blocks=10, max_model_len=160, preemption_mode=mode)
-    if mode == "swap":
-        kw["swap_space"] = "32MiB"
-    llm = make_llm(**kw)
+    llm = make_pressed_llm(10, mode, "32MiB", max_model_len=160)
     chosen = [prompts[i] for i in (0, 2, 6)]
     outs = llm.beam_search(chosen, BeamSearchParams(beam_width=4, max_tokens=12))
     for p, out in zip(chosen, outs, strict=True):
@@ -89,10 +81,7 @@ def test_six_requests_arriving_together_store_their_system_prompt_once(hf_f32):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_a_request_that_can_never_fit_fails_alone_and_the_others_are_served(prompts, hf_f32_greedy, mode):
     # 10 blocks: each request alone fits its prompt, but not its 16 samples or 8 beams as they grow
-    kw = dict(num_kv_blocks=10, max_model_len=160, preemption_mode=mode)
-    if mode == "swap":
-        kw["swap_space"] = "64MiB"
-    llm = make_llm(**kw)
+    llm = make_pressed_llm(10, mode, "64MiB", max_model_len=160)
     engine = llm.llm_engine
     engine.add_request(
         "wide", prompts[1], SamplingParams(n=16, temperature=0.8, seed=3, max_tokens=100, ignore_eos=True)
