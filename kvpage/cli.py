@@ -15,7 +15,12 @@ from pathlib import Path
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default="smollm2", help="model name, .gguf file or model directory (default smollm2)")
-    g.add_argument("--dtype", default="bfloat16", help="float32, bfloat16 or float16 (default bfloat16)")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto, float32, bfloat16 or float16 (default auto: bfloat16 where "
+        "the CPU computes it natively, else float32)",
+    )
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     g.add_argument("--kv-cache-memory", default=None, help="memory for the KV cache, e.g. 512MiB (default 512MiB)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="size the KV cache in blocks instead")
@@ -153,8 +158,10 @@ def _serve(args) -> int:
     llm = _make_llm(args)
     app = build_app(llm.llm_engine, served_model_name=args.served_model_name or args.model, api_key=api_key,
                     max_body_bytes=args.max_body_bytes)  # fmt: skip
+    engine = llm.llm_engine
     print(f"kvpage serve: {args.model} on http://{args.host}:{args.port} "
-          f"({'API key required' if api_key else 'no API key'})", flush=True)  # fmt: skip
+          f"({'API key required' if api_key else 'no API key'}); dtype {engine.dtype_name} ({engine.dtype_reason})",
+          flush=True)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -219,7 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "print the cache statistics: blocks used and shared, prefix-cache hit rate, waste, and what a "
                        "cache pre-allocated to the maximum length would have reserved.")  # fmt: skip
     p.add_argument("--model", default="smollm2", help="model name or path (default smollm2)")
-    p.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (default bfloat16)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto, float32 or bfloat16 (default auto: bfloat16 where the CPU computes it natively, else float32)",
+    )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer at most (default 64)")
     p.set_defaults(func=_demo)
 

@@ -29,15 +29,16 @@ def _peak(stats: CacheStats, peak: CacheStats | None) -> CacheStats:
     return stats if peak is None or stats.used_blocks > peak.used_blocks else peak
 
 
-def run_demo(model: str = "smollm2", dtype: str = "bfloat16", max_tokens: int = 64) -> None:
+def run_demo(model: str = "smollm2", dtype: str = "auto", max_tokens: int = 64) -> None:
     from kvpage import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(model, dtype=dtype, kv_cache_memory="128MiB", enable_prefix_caching=True)
     engine = llm.llm_engine
     tok = llm.get_tokenizer()
-    print(f"kvpage demo: {model} ({dtype}), loaded in {time.perf_counter() - t0:.1f} s; "
-          f"{engine.kv_manager.pool.num_total} KV blocks of {engine.kv_manager.block_size} tokens")  # fmt: skip
+    pool = engine.kv_manager.pool
+    print(f"kvpage demo: {model}, loaded in {time.perf_counter() - t0:.1f} s; {pool.num_total} KV blocks of "
+          f"{pool.block_size} tokens; dtype {engine.dtype_name} ({engine.dtype_reason})")  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     prompts = [
         tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])

@@ -27,7 +27,7 @@ from kvpage.core.scheduler_output import SchedulerOutput
 from kvpage.core.step_update import RequestUpdate, SeqUpdate, StepResult
 from kvpage.engine.beam_search import BeamSearch
 from kvpage.engine.output_processor import OutputProcessor, RequestState
-from kvpage.models import load_model, parse_dtype
+from kvpage.models import choose_dtype, load_model, parse_dtype
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams
 from kvpage.worker.kv_cache import KVCache
@@ -40,7 +40,8 @@ DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        dtype = parse_dtype(config.dtype)
+        self.dtype_name, self.dtype_reason = choose_dtype(config.dtype, config.device)  # "auto" resolved here
+        dtype = parse_dtype(self.dtype_name)
         loaded = load_model(config.model, dtype=dtype, device=config.device, backend=config.attention_backend)
         if loaded.tokenizer is None:
             raise ValueError(f"model {config.model!r} has no tokenizer; kvpage needs one to serve text")
