@@ -24,7 +24,19 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}"
+    return f"{cpu}, {os.cpu_count()} cores, {cpu_capability()}, {platform.system()} {platform.release()}"
+
+
+def cpu_capability() -> str:
+    """What the figures depend on: torch's vector ISA and whether bfloat16 is native (see dtype_choice)."""
+    try:
+        import torch
+
+        from kvpage.models.dtype_choice import cpu_has_native_bf16
+    except ImportError:
+        return "capability unknown"
+    native = "native bf16" if cpu_has_native_bf16() else "no native bf16"
+    return f"{torch.backends.cpu.get_cpu_capability()}, {native}"
 
 
 def versions(*modules: str) -> str:
