@@ -17,10 +17,10 @@ from kvpage.core.step_update import RequestUpdate, SeqUpdate
 def replay(engine, requests: list[tuple[str, list[int], int, list[int]]]) -> Scheduler:
     """requests: (id, prompt, n, tokens every one of its n greedy samples generates), added at once."""
     real = engine.kv_manager
-    kv = KVCacheManager(real.pool.num_total, real.block_size, num_cpu_blocks=real.cpu_pool.num_total,
-                        enable_prefix_caching=real.enable_prefix_caching,
-                        watermark=real.watermark_blocks / real.pool.num_total)  # fmt: skip
     cfg = engine.config
+    kv = KVCacheManager(real.pool.num_total, real.block_size, num_cpu_blocks=real.cpu_pool.num_total,
+                        enable_prefix_caching=real.enable_prefix_caching, watermark=cfg.watermark)  # fmt: skip
+    assert kv.watermark_blocks == real.watermark_blocks
     sched = Scheduler(kv, max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                       max_model_len=engine.max_model_len, preemption_mode=cfg.preemption_mode)  # fmt: skip
     plans = {}
