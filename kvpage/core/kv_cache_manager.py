@@ -206,8 +206,9 @@ class KVCacheManager:
         if not token_lists or not all(token_lists):
             raise ValueError("a request needs at least one sequence of at least one token")
         bs, lead = self.block_size, token_lists[0]
-        prefix = self.find_cached_prefix(lead, cache_salt) if use_prefix_cache else CachedPrefix([], [], 0, 0)
-        prefix.cache_salt = cache_salt
+        prefix = (
+            self.find_cached_prefix(lead, cache_salt) if use_prefix_cache else CachedPrefix([], [], 0, 0, cache_salt)
+        )
         shared = [0] + [min(_common_prefix(lead, t), len(t) - 1) // bs for t in token_lists[1:]]
         total = _cdiv(len(lead), bs) + sum(_cdiv(len(t), bs) - m for t, m in zip(token_lists[1:], shared[1:]))
         hits = self._prefix_blocks(prefix)
@@ -281,24 +282,20 @@ class KVCacheManager:
         use (from `prefix`, whose blocks it then shares). Returns None, changing nothing, when the
         pool lacks room. Appending into a shared, partly filled last block first copies it
         (copy-on-write)."""
-        pool, bs = self.pool, self.block_size
         seq = self._seqs.get(seq_id)
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if seq is None:
             hits = self._prefix_blocks(prefix)
-            num_old, table_len = len(hits) * bs, len(hits)
-            num_reserved = sum(b.ref_count == 0 for b in hits)  # hits we take off the free queue
-            copy_last = False
+            need = _cdiv(len(hits) * self.block_size + num_new_tokens, self.block_size) - len(hits)
+            need += sum(b.ref_count == 0 for b in hits)  # hits we take off the free queue
         else:
             if prefix is not None:
                 raise ValueError(f"sequence {seq_id!r} exists already; a prefix only starts one")
             if seq.on_cpu:
                 raise RuntimeError(f"sequence {seq_id!r} is swapped out; swap it in first")
-            num_old, table_len, num_reserved = seq.num_tokens, len(seq.block_ids), 0
-            copy_last = num_new_tokens > 0 and num_old % bs != 0 and pool.blocks[seq.block_ids[-1]].ref_count > 1
-        num_new_blocks = _cdiv(num_old + num_new_tokens, bs) - table_len
-        if num_new_blocks + copy_last > pool.num_free - num_reserved:
+            need = self.num_blocks_needed(seq_id, num_new_tokens)
+        if need > self.pool.num_free:
             return None
         # Committed from here on: nothing below can fail.
         if seq is None:

@@ -28,7 +28,8 @@ class Sequence:
     num_prompt_tokens: int
     num_computed: int = 0  # tokens whose KV is in the cache (or shared with the lead, see below)
     # After a recompute, a sibling shares the lead's first `depends_on[1]` tokens of blocks before the
-    # lead has recomputed them: it may not run until sequence `depends_on[0]` has computed that far.
+    # lead has recomputed them: it may not run until sequence `depends_on[0]` has computed that far
+    # (the condition stays true afterwards; a recompute resets it).
     depends_on: tuple[int, int] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None

@@ -123,7 +123,7 @@ class Scheduler:
             if not plan:
                 i += 1
                 continue
-            need = self.kv.num_blocks_to_grow([(s.key, len(s.token_ids) - self.kv.num_tokens(s.key)) for s, _ in plan])
+            need = self._blocks_to_grow(plan)
             while need > self.kv.pool.num_free and req.status is RequestStatus.RUNNING:
                 if self.running == [req]:  # nothing else holds blocks: it can never go on
                     self._fail(req, self._never_fits(req, need))
@@ -149,18 +149,24 @@ class Scheduler:
         seqs = [s for s in req.live_sequences if s.num_uncomputed > 0]
         if all(s.num_uncomputed == 1 for s in seqs) and len(seqs) > budget:
             return []
-        end = {s.index: s.num_computed for s in req.sequences}  # computed by the end of this step
+        end: dict[int, int] = {}  # computed by the end of this step, for siblings waiting on their lead
         plan = []
         for s in seqs:
-            if s.depends_on is not None and end[s.depends_on[0]] < s.depends_on[1]:
-                continue  # the lead has not yet recomputed the blocks this sequence shares
+            if s.depends_on is not None:
+                lead, upto = s.depends_on
+                if end.get(lead, req.sequences[lead].num_computed) < upto:
+                    continue  # the lead has not yet recomputed the blocks this sequence shares
             n = min(s.num_uncomputed, budget)
             if n <= 0:
                 break
             plan.append((s, n))
-            end[s.index] += n
+            end[s.index] = s.num_computed + n
             budget -= n
         return plan
+
+    def _blocks_to_grow(self, plan: list[tuple[Sequence, int]]) -> int:
+        """Blocks the planned sequences take to give every one of their tokens a slot."""
+        return self.kv.num_blocks_to_grow([(s.key, len(s.token_ids) - self.kv.num_tokens(s.key)) for s, _ in plan])
 
     def _schedule_seq(self, req: Request, seq: Sequence, n: int, out: SchedulerOutput) -> int:
         """Slots for all of `seq`'s tokens (the caller made room), then its next `n` tokens."""
@@ -233,8 +239,7 @@ class Scheduler:
             self.swapped.popleft()
             self._in_flight.add(req.request_id)
             plan = self._plan(req, budget)
-            growth = [(s.key, len(s.token_ids) - self.kv.num_tokens(s.key)) for s, _ in plan]
-            if plan and self.kv.num_blocks_to_grow(growth) <= self.kv.pool.num_free:
+            if plan and self._blocks_to_grow(plan) <= self.kv.pool.num_free:
                 for seq, n in plan:
                     budget -= self._schedule_seq(req, seq, n, out)
         return budget
@@ -278,10 +283,6 @@ class Scheduler:
             req = self.requests.get(s.seq_id.request_id)  # type: ignore[attr-defined]
             if req is not None and req.status is RequestStatus.RUNNING:
                 req.sequences[s.seq_id.index].num_computed = s.seq_len  # type: ignore[attr-defined]
-        for req in self.running:
-            for seq in req.live_sequences:
-                if seq.depends_on is not None and req.sequences[seq.depends_on[0]].num_computed >= seq.depends_on[1]:
-                    seq.depends_on = None
         for request_id, update in updates.items():
             req = self.requests.get(request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
