@@ -160,7 +160,8 @@ def _serve(args) -> int:
                     max_body_bytes=args.max_body_bytes)  # fmt: skip
     engine = llm.llm_engine
     print(f"kvpage serve: {args.model} on http://{args.host}:{args.port} "
-          f"({'API key required' if api_key else 'no API key'}); dtype {engine.dtype_name} ({engine.dtype_reason})",
+          f"({'API key required' if api_key else 'no API key'}); dtype {engine.dtype_name} "
+          f"({engine.dtype_reason}); {engine.kernels}",
           flush=True)  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

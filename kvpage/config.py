@@ -40,7 +40,7 @@ class EngineConfig:
     seed: int = 0
     watermark: float = 0.01
     device: str = "cpu"
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # "cpu": compiled kernels (kvpage/ops), "torch": reference; auto picks
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

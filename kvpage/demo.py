@@ -38,7 +38,7 @@ def run_demo(model: str = "smollm2", dtype: str = "auto", max_tokens: int = 64) 
     tok = llm.get_tokenizer()
     pool = engine.kv_manager.pool
     print(f"kvpage demo: {model}, loaded in {time.perf_counter() - t0:.1f} s; {pool.num_total} KV blocks of "
-          f"{pool.block_size} tokens; dtype {engine.dtype_name} ({engine.dtype_reason})")  # fmt: skip
+          f"{pool.block_size} tokens; dtype {engine.dtype_name} ({engine.dtype_reason}); {engine.kernels}")  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     prompts = [
         tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])

@@ -19,7 +19,10 @@ import torch
 
 from kvpage.attention.metadata import AttentionMetadata
 
-_BACKENDS = {"torch": "kvpage.attention.torch_ref:TorchReferenceBackend"}
+_BACKENDS = {
+    "torch": "kvpage.attention.torch_ref:TorchReferenceBackend",
+    "cpu": "kvpage.attention.cpu_paged:CpuPagedBackend",
+}
 
 
 class AttentionBackend(Protocol):
@@ -38,8 +41,21 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_backend(name: str = "torch") -> AttentionBackend:
+def resolve_backend(name: str, device: str | torch.device = "cpu") -> str:
+    """ "auto": the compiled CPU kernels on a CPU where they build (kvpage/ops), else the reference."""
+    if name != "auto":
+        return name
+    if torch.device(device).type == "cpu":
+        from kvpage.ops import load
+
+        if load():
+            return "cpu"
+    return "torch"
+
+
+def get_backend(name: str = "torch", device: str | torch.device = "cpu") -> AttentionBackend:
+    name = resolve_backend(name, device)
     if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS) + ['auto']}")
     module, cls = _BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), cls)()

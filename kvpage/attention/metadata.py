@@ -30,10 +30,29 @@ class AttentionMetadata:
     seq_lens_list: list[int]  # the same as seq_lens, plain ints
     num_decodes: int  # the first num_decodes sequences have exactly one query token
     block_size: int
-    # decodes sorted by length and cut into groups, so each group gathers only up to its own longest
-    # context instead of padding every decode to the longest of the batch: per group (rows, max_len,
-    # bias), bias [rows, 1, padded_len] float32 is 0 for real keys and -inf past each row's length
-    decode_groups: list[tuple[torch.Tensor, int, torch.Tensor]] = field(default_factory=list)
+    _groups: list[tuple[torch.Tensor, int, torch.Tensor]] | None = field(default=None, repr=False)
+
+    @property
+    def decode_groups(self) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+        """Decodes sorted by length and cut into groups, so each group gathers only up to its own
+        longest context instead of padding every decode to the longest of the batch: per group
+        (rows, max_len, bias), bias [rows, 1, padded_len] float32 is 0 for real keys and -inf past
+        each row's length. Built on first use (only the reference backend gathers), then kept."""
+        if self._groups is None:
+            lens, bs, device = self.seq_lens_list, self.block_size, self.seq_lens.device
+            by_len = sorted(range(self.num_decodes), key=lambda i: lens[i])
+            groups = []
+            for g in range(0, self.num_decodes, DECODE_GROUP):
+                rows = by_len[g : g + DECODE_GROUP]
+                max_len = lens[rows[-1]]
+                padded = -(-max_len // bs) * bs
+                row_lens = torch.tensor([lens[r] for r in rows], device=device)
+                bias = torch.zeros(len(rows), 1, padded, device=device)
+                past = torch.arange(padded, device=device)[None, None, :] >= row_lens[:, None, None]
+                bias.masked_fill_(past, float("-inf"))
+                groups.append((torch.tensor(rows, dtype=torch.int64, device=device), max_len, bias))
+            self._groups = groups
+        return self._groups
 
     @property
     def num_seqs(self) -> int:
@@ -66,16 +85,6 @@ class AttentionMetadata:
             if not 0 < q <= n or len(table) * block_size < n:
                 raise ValueError(f"query of {q} tokens in a sequence of {n} with {len(table)} blocks")
             slots.extend(table[t // block_size] * block_size + t % block_size for t in range(n - q, n))
-        by_len = sorted(range(num_decodes), key=lambda i: seq_lens[i])
-        groups = []
-        for g in range(0, num_decodes, DECODE_GROUP):
-            rows = by_len[g : g + DECODE_GROUP]
-            max_len = seq_lens[rows[-1]]
-            padded = -(-max_len // block_size) * block_size
-            lens = torch.tensor([seq_lens[r] for r in rows], device=device)
-            bias = torch.zeros(len(rows), 1, padded, device=device)
-            bias.masked_fill_(torch.arange(padded, device=device)[None, None, :] >= lens[:, None, None], float("-inf"))
-            groups.append((torch.tensor(rows, dtype=torch.int64, device=device), max_len, bias))
         width = max((len(t) for t in block_tables), default=0)
         padded = [t + [0] * (width - len(t)) for t in block_tables]
         return cls(
@@ -86,5 +95,4 @@ class AttentionMetadata:
             seq_lens_list=list(seq_lens),
             num_decodes=num_decodes,
             block_size=block_size,
-            decode_groups=groups,
         )

@@ -47,10 +47,23 @@ class TorchReferenceBackend:
         self._workspace: dict[str, torch.Tensor] = {}
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self.write(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
+        if meta.num_decodes:
+            self.decodes(out, q, k_cache, v_cache, meta, scale)
+        self.prefills(out, q, k, v, k_cache, v_cache, meta, scale)
+        return out
+
+    def write(self, k, v, k_cache, v_cache, slots) -> None:
+        write_kv(k, v, k_cache, v_cache, slots)
+
+    def decodes(self, out, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> None:
+        """out[:num_decodes] = attention of the first num_decodes queries (one token each)."""
         for rows, max_len, bias in meta.decode_groups:
             out[rows] = self._decode_group(q[rows], rows, max_len, bias, k_cache, v_cache, meta, scale)
+
+    def prefills(self, out, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> None:
+        """Each prefill chunk on its own, after the decodes (its K/V already written)."""
         starts, lens = meta.query_start_loc, meta.seq_lens_list
         for i in range(meta.num_decodes, meta.num_seqs):
             s, e, n = starts[i], starts[i + 1], lens[i]
@@ -67,7 +80,6 @@ class TorchReferenceBackend:
                 mask = torch.arange(n, device=q.device)[None, :] <= pos_q[:, None]  # [q, n]
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
             out[s:e] = o[0].transpose(0, 1)
-        return out
 
     def _gather(self, name: str, cache_head: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """cache_head[blocks] ([num_blocks, bs, d] view of one kv head) into a reused, contiguous buffer."""

@@ -37,6 +37,18 @@ from kvpage.worker.sampler import SamplingRow, sample
 DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
 
 
+def describe_kernels(chosen: str, asked: str) -> str:
+    """What runs the attention and per-layer math, for the start-up line."""
+    if chosen == "cpu":
+        return "compiled CPU kernels"
+    if asked == "auto":
+        from kvpage.ops import unavailable_reason
+
+        why = unavailable_reason()
+        return f"torch reference ({why})" if why else "torch reference (not a CPU device)"
+    return "torch reference"
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -46,6 +58,7 @@ class LLMEngine:
         if loaded.tokenizer is None:
             raise ValueError(f"model {config.model!r} has no tokenizer; kvpage needs one to serve text")
         self.model_config = loaded.config
+        self.kernels = describe_kernels(loaded.model.ops.name, config.attention_backend)
         self.tokenizer = loaded.tokenizer
         block_size = config.block_size
         per_block = KVCache.bytes_per_block(loaded.config, block_size, dtype)

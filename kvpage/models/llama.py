@@ -15,24 +15,23 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvpage.attention import AttentionBackend, AttentionMetadata, get_backend
 from kvpage.models.config import ModelConfig
+from kvpage.models.layer_ops import TorchLayerOps, rms_norm_ref
 
 
 class RMSNorm(nn.Module):
+    """Holds the weight; the arithmetic is the layer ops' (rms_norm / add_rms_norm)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm_ref(x, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -72,15 +71,8 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, d]; rotate the two halves of each head (the Hugging Face layout)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchLayerOps):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -88,39 +80,48 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
-        self.backend = backend
+        self.backend, self.ops = backend, ops
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = self.ops.qkv_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         o = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self.ops.linear(o.reshape(-1, self.q_size), self.o_proj.weight)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: TorchLayerOps):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.ops.linear(x, self.gate_up_proj.weight)
+        return self.ops.linear(self.ops.silu_mul(gate_up), self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    """x + attn(norm(x)), then + mlp(norm(.)). The residual add of each branch is done by the next
+    norm (add_rms_norm): a layer takes the residual stream and the previous layer's MLP output still
+    to be added, and returns the same pair."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchLayerOps):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, ops)
+        self.ops = ops
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, cos, sin, k_cache, v_cache, meta):
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        if delta is None:
+            h = self.ops.rms_norm(x, norm1.weight, norm1.eps)
+        else:
+            x, h = self.ops.add_rms_norm(x, delta, norm1.weight, norm1.eps)
+        x, h = self.ops.add_rms_norm(x, self.self_attn(h, cos, sin, k_cache, v_cache, meta), norm2.weight, norm2.eps)
+        return x, self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -134,12 +135,13 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None, ops: TorchLayerOps | None = None):
         super().__init__()
         self.config = cfg
         backend = backend or get_backend("torch")
+        self.ops = ops = ops or TorchLayerOps()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, ops) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -153,13 +155,14 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # hidden states [T, hidden]
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        delta = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
-        return self.norm(x)
+            x, delta = layer(x, delta, cos, sin, k_cache, v_cache, meta)
+        return self.ops.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self.ops.linear(hidden, weight)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

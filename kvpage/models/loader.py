@@ -28,6 +28,7 @@ import torch
 
 from kvpage.attention import get_backend
 from kvpage.models.config import ModelConfig
+from kvpage.models.layer_ops import KernelLayerOps, TorchLayerOps
 from kvpage.models.llama import LlamaForCausalLM
 from kvpage.models.tokenizer import Tokenizer
 
@@ -114,8 +115,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 
 def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, device: str, backend: str) -> LlamaForCausalLM:
+    attention = get_backend(backend, device)
+    # the compiled CPU kernels serve the per-layer ops too wherever they serve attention
+    ops = KernelLayerOps() if attention.name == "cpu" else TorchLayerOps()
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, get_backend(backend))
+        model = LlamaForCausalLM(cfg, attention, ops)
     model.to_empty(device=device)
     model.load_weights(weights)
     return model.to(dtype).eval().requires_grad_(False)
@@ -149,7 +153,7 @@ def load_model(
     *,
     dtype: str | torch.dtype = "float32",
     device: str = "cpu",
-    backend: str = "torch",
+    backend: str = "auto",
     seed: int = 0,
     use_cache: bool = True,
 ) -> LoadedModel:

@@ -21,10 +21,14 @@ def dense_reference(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+BACKENDS = ["torch", "cpu"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4), (8, 1)])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_ragged_batch_of_decodes_and_prefills_matches_dense(heads, kv_heads, block_size, dtype):
+def test_ragged_batch_of_decodes_and_prefills_matches_dense(heads, kv_heads, block_size, dtype, backend):
     g = torch.Generator().manual_seed(block_size * 100 + heads)
     rng = random.Random(block_size * 100 + heads)
     d, scale = 32, 32**-0.5
@@ -52,7 +56,7 @@ def test_ragged_batch_of_decodes_and_prefills_matches_dense(heads, kv_heads, blo
     q_in = torch.cat([q[n - new :] for (n, new), (q, _, _) in zip(shapes, full, strict=True)])
     k_in = torch.cat([k[n - new :] for (n, new), (_, k, _) in zip(shapes, full, strict=True)])
     v_in = torch.cat([v[n - new :] for (n, new), (_, _, v) in zip(shapes, full, strict=True)])
-    out = get_backend("torch").forward(q_in, k_in, v_in, k_cache, v_cache, meta, scale)
+    out = get_backend(backend).forward(q_in, k_in, v_in, k_cache, v_cache, meta, scale)
     assert out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16 keeps 8 bits of mantissa
     start = 0
@@ -82,8 +86,9 @@ def test_unknown_backend_is_a_clear_error():
         get_backend("cuda-magic")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_many_decodes_of_different_lengths_are_grouped_correctly(dtype):
+def test_many_decodes_of_different_lengths_are_grouped_correctly(dtype, backend):
     """More decodes than one group holds, in no particular order of length."""
     g = torch.Generator().manual_seed(3)
     rng = random.Random(3)
@@ -104,7 +109,7 @@ def test_many_decodes_of_different_lengths_are_grouped_correctly(dtype):
     # the new token's K/V are the ones already at its slot (write_kv stores them again)
     k_new = torch.stack([k_cache[t[(n - 1) // bs], :, (n - 1) % bs] for t, n in zip(tables, lens, strict=True)])
     v_new = torch.stack([v_cache[t[(n - 1) // bs], :, (n - 1) % bs] for t, n in zip(tables, lens, strict=True)])
-    out = get_backend("torch").forward(q, k_new, v_new, k_cache, v_cache, meta, d**-0.5)
+    out = get_backend(backend).forward(q, k_new, v_new, k_cache, v_cache, meta, d**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for i, (t, n) in enumerate(zip(tables, lens, strict=True)):
         k = k_cache[t].transpose(1, 2).flatten(0, 1)[:n].float().repeat_interleave(2, dim=1)

@@ -29,6 +29,16 @@ def test_prefix_caching_on_and_off(prompts, hf_f32_greedy, caching):
     assert_clean(llm)
 
 
+def test_reference_backend_where_no_compiler_is(prompts, hf_f32_greedy):
+    """The pure-torch path (attention and per-layer math), which runs where the kernels cannot be built;
+    the kernels themselves are the default and run in every other test here."""
+    llm = make_llm(attention_backend="torch", max_num_batched_tokens=64)
+    assert llm.llm_engine.kernels == "torch reference"
+    outs = llm.generate(prompts, greedy(16), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected(hf_f32_greedy, 16)
+    assert_clean(llm)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_forced_preemption(prompts, hf_f32_greedy, mode):
     # 12 blocks of 16 tokens for 8 requests of up to ~90 tokens each: preempted again and again

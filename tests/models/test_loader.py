@@ -69,7 +69,15 @@ def test_gguf_of_mixed_tensor_types_matches_transformers(tmp_path):
     with torch.no_grad():
         ref_logits = hf(torch.tensor([ids])).logits[0, -1]
         ref_tokens = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None)
-    torch.testing.assert_close(r.first_logits[0], ref_logits, atol=1e-4, rtol=1e-4)
+        exact = hf.double()(torch.tensor([ids])).logits[0, -1]
+    # This random model amplifies float32 rounding ~100x (transformers' own float32 logits are ~2e-4
+    # off its float64 ones), so a fixed tolerance against transformers' float32 would test the order
+    # of additions. The claim is: ours is as exact as transformers' float32, both measured against
+    # transformers in float64; and close to its float32 in absolute terms too.
+    ours_err = (r.first_logits[0].double() - exact).abs().max().item()
+    hf_err = (ref_logits.double() - exact).abs().max().item()
+    assert ours_err <= 1.5 * hf_err + 1e-5, (ours_err, hf_err)
+    torch.testing.assert_close(r.first_logits[0], ref_logits, atol=1e-3, rtol=1e-3)
     assert r.tokens[0] == ref_tokens[0, len(ids) :].tolist()
 
 

@@ -1,0 +1,99 @@
+"""The per-layer elementwise math of a LLaMA block, two ways: plain torch, and kvpage's CPU kernels.
+
+    rms_norm(x, w, eps)                 -> h
+    add_rms_norm(x, delta, w, eps)      -> (x + delta, rms_norm(x + delta))
+    qkv_rope(qkv, cos, sin, H, KVH, D)  -> q [T,H,D], k [T,KVH,D], v [T,KVH,D], q and k rotated
+    silu_mul(gate_up)                   -> silu(gate) * up
+    linear(x, w, bias=None)             -> x @ w.T + bias
+
+`TorchLayerOps` is the reference: the arithmetic of Hugging Face's LlamaForCausalLM, op by op.
+`KernelLayerOps` does each line in one compiled call (kvpage/ops/csrc/cpu_ops.cpp), in float32
+inside; at batch 1 the ~25 small torch ops of a layer cost more than its matmuls' memory traffic
+leaves room for. It updates x and rotates q/k in place, and falls back to the reference for dtypes
+the kernels do not cover (float16).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, d]; rotate the two halves of each head (the Hugging Face layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class TorchLayerOps:
+    name = "torch"
+
+    def rms_norm(self, x, weight, eps):
+        return rms_norm_ref(x, weight, eps)
+
+    def add_rms_norm(self, x, delta, weight, eps):
+        x = x + delta
+        return x, rms_norm_ref(x, weight, eps)
+
+    def qkv_rope(self, qkv, cos, sin, heads, kv_heads, head_dim):
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q = apply_rope(q.view(-1, heads, head_dim), cos, sin)
+        k = apply_rope(k.view(-1, kv_heads, head_dim), cos, sin)
+        return q, k, v.view(-1, kv_heads, head_dim)
+
+    def silu_mul(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def linear(self, x, weight, bias=None):
+        return F.linear(x, weight, bias)
+
+
+class KernelLayerOps(TorchLayerOps):
+    name = "cpu"
+    _DTYPES = (torch.float32, torch.bfloat16)
+
+    def __init__(self) -> None:
+        self._k = torch.ops.kvpage
+
+    def rms_norm(self, x, weight, eps):
+        if x.dtype not in self._DTYPES:
+            return super().rms_norm(x, weight, eps)
+        return self._k.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, delta, weight, eps):
+        if x.dtype not in self._DTYPES:
+            return super().add_rms_norm(x, delta, weight, eps)
+        return x, self._k.add_rms_norm(x, delta, weight, eps)  # x += delta in place
+
+    def qkv_rope(self, qkv, cos, sin, heads, kv_heads, head_dim):
+        if qkv.dtype not in self._DTYPES:
+            return super().qkv_rope(qkv, cos, sin, heads, kv_heads, head_dim)
+        self._k.rope_(qkv, cos, sin, heads + kv_heads, head_dim)
+        q_size, kv_size = heads * head_dim, kv_heads * head_dim
+        q = qkv[:, :q_size].view(-1, heads, head_dim)
+        k = qkv[:, q_size : q_size + kv_size].view(-1, kv_heads, head_dim)
+        v = qkv[:, q_size + kv_size :].view(-1, kv_heads, head_dim)
+        return q, k, v
+
+    def silu_mul(self, gate_up):
+        if gate_up.dtype not in self._DTYPES:
+            return super().silu_mul(gate_up)
+        return self._k.silu_mul(gate_up)
+
+    def linear(self, x, weight, bias=None):
+        # A few rows are memory-bound: one pass over the weight for all of them beats torch's
+        # GEMM/GEMV (float32 rows 1-4, bfloat16 rows 2-4; torch's bfloat16 GEMV wins at one row).
+        rows = x.shape[0]
+        few = 0 < rows <= 4 and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and rows >= 2))
+        if few and weight.dtype == x.dtype and x.stride(-1) == 1:
+            return self._k.linear_small(x, weight, bias)
+        return F.linear(x, weight, bias)

@@ -1,0 +1,449 @@
+// kvpage's CPU kernels: paged decode attention that reads K/V in place through the block tables,
+// the K/V write into the paged cache, and the small per-layer ops fused (RMSNorm with the residual
+// add, RoPE on q and k in place, SiLU(gate) * up). float32 and bfloat16; arithmetic in float32.
+//
+// Registered as torch.ops.kvpage.* (no pybind: the extension is a plain shared library, loaded by
+// kvpage/ops/build.py). Work is split with at::parallel_for, i.e. torch's own thread pool.
+//
+// Cache layout (kvpage/worker/kv_cache.py): [num_blocks, num_kv_heads, block_size, head_dim],
+// contiguous; token t of a sequence sits at cache[block_table[t / B], h, t % B, :].
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+// --- conversions: a row of T to float and back (bf16 <-> f32 is a 16-bit shift, vectorises) ---
+
+inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+}
+
+inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void from_float(const float* src, c10::BFloat16* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);  // round to nearest even
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void check_cache(const Tensor& cache, const Tensor& other, const char* what) {
+  TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), what, " must be a contiguous [blocks, kv_heads, block_size, head_dim] tensor");
+  TORCH_CHECK(cache.sizes() == other.sizes() && cache.scalar_type() == other.scalar_type(), "k_cache and v_cache differ");
+}
+
+// --- paged decode attention -------------------------------------------------------------------
+// q, out: [S, H, D] (rows may be strided, heads and dims contiguous); block_tables [S, W] int64;
+// seq_lens [S] int64. One task per (sequence, kv head): the group's H / KVH query heads are scored
+// against each key as it is loaded once, with an online softmax per block of keys.
+
+template <typename T>
+void decode_impl(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& bt,
+                 const Tensor& lens, double scale) {
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = kc.size(1), BS = kc.size(2), G = H / KVH, W = bt.size(1);
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
+  const int64_t* btp = bt.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t bts = bt.stride(0), num_blocks = kc.size(0);
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), m(G), l(G), sc(G * BS), row(D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / KVH, h = task % KVH, n = lp[s];
+      for (int64_t g = 0; g < G; ++g) {
+        to_float(qp + s * qs0 + (h * G + g) * qs1, qf.data() + g * D, D);
+        for (int64_t i = 0; i < D; ++i) qf[g * D + i] *= fscale;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t j = 0; j * BS < n; ++j) {
+        const int64_t blk = btp[s * bts + j], cnt = std::min(BS, n - j * BS);
+        TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id ", blk, " out of range");
+        const int64_t base = (blk * KVH + h) * BS * D;
+        for (int64_t t = 0; t < cnt; ++t) {
+          const float* kr;
+          if constexpr (std::is_same_v<T, float>) {
+            kr = kp + base + t * D;
+          } else {
+            to_float(kp + base + t * D, row.data(), D);
+            kr = row.data();
+          }
+          for (int64_t g = 0; g < G; ++g) sc[g * BS + t] = dot(qf.data() + g * D, kr, D);
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = sc.data() + g * BS;
+          float bm = m[g];
+          for (int64_t t = 0; t < cnt; ++t) bm = std::max(bm, sg[t]);
+          const float corr = std::exp(m[g] - bm);  // exp(-inf) = 0 on the first block
+          float sum = 0.f;
+          for (int64_t t = 0; t < cnt; ++t) {
+            sg[t] = std::exp(sg[t] - bm);
+            sum += sg[t];
+          }
+          l[g] = l[g] * corr + sum;
+          m[g] = bm;
+          float* ag = acc.data() + g * D;
+          for (int64_t i = 0; i < D; ++i) ag[i] *= corr;
+        }
+        for (int64_t t = 0; t < cnt; ++t) {
+          const float* vr;
+          if constexpr (std::is_same_v<T, float>) {
+            vr = vp + base + t * D;
+          } else {
+            to_float(vp + base + t * D, row.data(), D);
+            vr = row.data();
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = sc[g * BS + t];
+            float* ag = acc.data() + g * D;
+#pragma omp simd
+            for (int64_t i = 0; i < D; ++i) ag[i] += p * vr[i];
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        float* ag = acc.data() + g * D;
+        for (int64_t i = 0; i < D; ++i) ag[i] *= inv;
+        from_float(ag, op + s * os0 + (h * G + g) * os1, D);
+      }
+    }
+  });
+}
+
+void paged_decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables,
+                            Tensor seq_lens, double scale) {
+  check_cache(k_cache, v_cache, "k_cache");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [seqs, heads, head_dim] with contiguous heads");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.stride(1) == out.size(2), "out must match q");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "q, out and the cache must share a dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0, "q heads do not match the cache");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "block_tables and seq_lens must be int64");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 && block_tables.size(0) >= q.size(0), "block_tables must be [seqs, width]");
+  TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.numel() >= q.size(0), "seq_lens must hold one length per sequence");
+  const int64_t* lp = seq_lens.data_ptr<int64_t>();
+  for (int64_t s = 0; s < q.size(0); ++s)
+    TORCH_CHECK(lp[s] > 0 && lp[s] <= block_tables.size(1) * k_cache.size(2), "sequence ", s, " length ", lp[s], " exceeds its block table");
+  if (q.scalar_type() == at::kFloat) {
+    decode_impl<float>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    decode_impl<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only, got ", q.scalar_type());
+  }
+}
+
+// --- K/V write: k, v [T, KVH, D] (rows may be strided) -> cache slot s = block * B + offset ----
+
+template <typename T>
+void write_impl(const Tensor& k, const Tensor& v, Tensor& kc, Tensor& vc, const Tensor& slots) {
+  const int64_t T_ = k.size(0), KVH = k.size(1), D = k.size(2), BS = kc.size(2), NB = kc.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* kcp = kc.data_ptr<T>();
+  T* vcp = vc.data_ptr<T>();
+  for (int64_t i = 0; i < T_; ++i) {
+    const int64_t blk = sp[i] / BS, off = sp[i] % BS;
+    TORCH_CHECK(sp[i] >= 0 && blk < NB, "slot ", sp[i], " out of range");
+    for (int64_t h = 0; h < KVH; ++h) {
+      const int64_t dst = ((blk * KVH + h) * BS + off) * D;
+      std::memcpy(kcp + dst, kp + i * k.stride(0) + h * k.stride(1), D * sizeof(T));
+      std::memcpy(vcp + dst, vp + i * v.stride(0) + h * v.stride(1), D * sizeof(T));
+    }
+  }
+}
+
+void write_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_mapping) {
+  check_cache(k_cache, v_cache, "k_cache");
+  TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 && k.sizes() == v.sizes(), "k and v must be [tokens, kv_heads, head_dim]");
+  TORCH_CHECK(k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(3), "k does not match the cache");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type(), "k, v and the cache must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == k.size(0), "slot_mapping must be int64, one per token");
+  if (k.scalar_type() == at::kFloat) {
+    write_impl<float>(k, v, k_cache, v_cache, slot_mapping);
+  } else if (k.scalar_type() == at::kBFloat16) {
+    write_impl<c10::BFloat16>(k, v, k_cache, v_cache, slot_mapping);
+  } else {
+    TORCH_CHECK(false, "write_kv: float32 or bfloat16 only");
+  }
+}
+
+// --- the small per-layer ops, fused; rows in parallel ------------------------------------------
+
+inline float round_to(float x, float) { return x; }
+inline float round_to(float x, c10::BFloat16) { return static_cast<float>(c10::BFloat16(x)); }
+
+// out = weight * (x / rms(x)) as Hugging Face's LlamaRMSNorm computes it: statistics in float32,
+// the normalised row rounded to the input dtype before the weight multiplies it. With `delta`,
+// x += delta first (rounded to the dtype, as torch's add would) and x is updated in place.
+template <typename T>
+void rms_impl(Tensor& x, const Tensor* delta, const Tensor& w, Tensor& out, double eps) {
+  const int64_t rows = x.size(0), D = x.size(1);
+  T* xp = x.data_ptr<T>();
+  const T* dp = delta ? delta->data_ptr<T>() : nullptr;
+  const int64_t xs = x.stride(0), ds = delta ? delta->stride(0) : 0, os = out.stride(0);
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / D), [&](int64_t b, int64_t e) {
+    std::vector<float> r(D), wf(D), dr(D);
+    to_float(wp, wf.data(), D);
+    for (int64_t i = b; i < e; ++i) {
+      to_float(xp + i * xs, r.data(), D);
+      if (dp) {
+        to_float(dp + i * ds, dr.data(), D);
+        for (int64_t j = 0; j < D; ++j) r[j] = round_to(r[j] + dr[j], T());
+        from_float(r.data(), xp + i * xs, D);
+      }
+      float ss = 0.f;
+      for (int64_t j = 0; j < D; ++j) ss += r[j] * r[j];
+      const float inv = 1.f / std::sqrt(ss / D + static_cast<float>(eps));
+      for (int64_t j = 0; j < D; ++j) r[j] = wf[j] * round_to(r[j] * inv, T());
+      from_float(r.data(), op + i * os, D);
+    }
+  });
+}
+
+Tensor rms_norm_common(Tensor x, const Tensor* delta, Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.is_contiguous() && weight.numel() == x.size(1), "rms_norm: x [rows, dim] and weight [dim]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight and x dtypes differ");
+  if (delta) TORCH_CHECK(delta->sizes() == x.sizes() && delta->stride(1) == 1 && delta->scalar_type() == x.scalar_type(), "add_rms_norm: delta must match x");
+  Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (x.scalar_type() == at::kFloat) {
+    rms_impl<float>(x, delta, weight, out, eps);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    rms_impl<c10::BFloat16>(x, delta, weight, out, eps);
+  } else {
+    TORCH_CHECK(false, "rms_norm: float32 or bfloat16 only");
+  }
+  return out;
+}
+
+Tensor rms_norm(Tensor x, Tensor weight, double eps) { return rms_norm_common(x, nullptr, weight, eps); }
+
+Tensor add_rms_norm(Tensor x, Tensor delta, Tensor weight, double eps) { return rms_norm_common(x, &delta, weight, eps); }
+
+// In place on the fused qkv rows [T, (H + 2 KVH) * D]: rotate the first H + KVH heads (q and k)
+// by cos/sin [T, D] (Hugging Face's rotate-half layout; only the first D/2 columns are read).
+template <typename T>
+void rope_impl(Tensor& qkv, const Tensor& cos, const Tensor& sin, int64_t heads, int64_t D) {
+  const int64_t rows = qkv.size(0), half = D / 2, qs = qkv.stride(0), cs = cos.stride(0), ss = sin.stride(0);
+  T* p = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / (heads * D)), [&](int64_t b, int64_t e) {
+    std::vector<float> c(half), s(half), x(D), y(D);
+    for (int64_t i = b; i < e; ++i) {
+      to_float(cp + i * cs, c.data(), half);
+      to_float(sp + i * ss, s.data(), half);
+      for (int64_t h = 0; h < heads; ++h) {
+        T* row = p + i * qs + h * D;
+        to_float(row, x.data(), D);
+        for (int64_t j = 0; j < half; ++j) {
+          y[j] = x[j] * c[j] - x[j + half] * s[j];
+          y[j + half] = x[j + half] * c[j] + x[j] * s[j];
+        }
+        from_float(y.data(), row, D);
+      }
+    }
+  });
+}
+
+void rope_(Tensor qkv, Tensor cos, Tensor sin, int64_t heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= heads * head_dim && head_dim % 2 == 0, "rope_: qkv [tokens, width] with room for the heads");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == qkv.size(0) && cos.size(1) == head_dim && cos.stride(1) == 1 && sin.stride(1) == 1, "rope_: cos/sin [tokens, head_dim]");
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "rope_: dtypes differ");
+  if (qkv.scalar_type() == at::kFloat) {
+    rope_impl<float>(qkv, cos, sin, heads, head_dim);
+  } else if (qkv.scalar_type() == at::kBFloat16) {
+    rope_impl<c10::BFloat16>(qkv, cos, sin, heads, head_dim);
+  } else {
+    TORCH_CHECK(false, "rope_: float32 or bfloat16 only");
+  }
+}
+
+// [T, 2I] (gate | up) -> [T, I]: silu(gate) * up, silu rounded to the dtype first as torch's would be.
+template <typename T>
+void silu_impl(const Tensor& gu, Tensor& out) {
+  const int64_t rows = gu.size(0), I = out.size(1), gs = gu.stride(0);
+  const T* gp = gu.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / I), [&](int64_t b, int64_t e) {
+    std::vector<float> g(I), u(I);
+    for (int64_t i = b; i < e; ++i) {
+      to_float(gp + i * gs, g.data(), I);
+      to_float(gp + i * gs + I, u.data(), I);
+      for (int64_t j = 0; j < I; ++j) g[j] = round_to(g[j] / (1.f + std::exp(-g[j])), T()) * u[j];
+      from_float(g.data(), op + i * I, I);
+    }
+  });
+}
+
+Tensor silu_mul(Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0, "silu_mul: [tokens, 2 * intermediate]");
+  Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) {
+    silu_impl<float>(gate_up, out);
+  } else if (gate_up.scalar_type() == at::kBFloat16) {
+    silu_impl<c10::BFloat16>(gate_up, out);
+  } else {
+    TORCH_CHECK(false, "silu_mul: float32 or bfloat16 only");
+  }
+  return out;
+}
+
+// --- y = x @ w.T (+ bias) for a few rows: memory-bound, so one pass over w, split over threads ----
+// x [M, K], w [N, K] (rows contiguous), bias [N] or empty. Each thread owns a range of output
+// columns and streams its rows of w once for all M rows of x; sums in float32.
+
+constexpr int64_t kMaxSmallRows = 4;
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+// R rows of w against MM rows of x (float32, K a multiple of 8): out[m * ostride + r]
+template <int R, int MM, typename T>
+inline void tile(const float* xf, int64_t K, const T* w, int64_t ws, float* out, int64_t ostride) {
+  __m256 acc[R][MM];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MM; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 xv[MM];
+    for (int m = 0; m < MM; ++m) xv[m] = _mm256_loadu_ps(xf + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 wv = load8(w + r * ws + k);
+      for (int m = 0; m < MM; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MM; ++m) out[m * ostride + r] = hsum(acc[r][m]);
+}
+template <int MM, typename T>
+void rows_avx2(const float* xf, int64_t K, const T* w, int64_t ws, int64_t b, int64_t e, float* out, int64_t ostride) {
+  constexpr int R = MM <= 2 ? 4 : 2;
+  int64_t n = b;
+  for (; n + R <= e; n += R) tile<R, MM>(xf, K, w + n * ws, ws, out + (n - b), ostride);
+  for (; n < e; ++n) tile<1, MM>(xf, K, w + n * ws, ws, out + (n - b), ostride);
+}
+#endif
+
+template <typename T>
+void linear_small_impl(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  const T* bp = bias.defined() ? bias.data_ptr<T>() : nullptr;
+  T* yp = y.data_ptr<T>();
+  const int64_t xs = x.stride(0), ws = w.stride(0);
+  std::vector<float> xf(M * K);
+  for (int64_t m = 0; m < M; ++m) to_float(xp + m * xs, xf.data() + m * K, K);
+  at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
+    const int64_t cols = e - b;
+    std::vector<float> row(K), out(M * cols);
+    bool done = false;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (K % 8 == 0) {
+      switch (M) {
+        case 1: rows_avx2<1>(xf.data(), K, wp, ws, b, e, out.data(), cols); break;
+        case 2: rows_avx2<2>(xf.data(), K, wp, ws, b, e, out.data(), cols); break;
+        case 3: rows_avx2<3>(xf.data(), K, wp, ws, b, e, out.data(), cols); break;
+        default: rows_avx2<4>(xf.data(), K, wp, ws, b, e, out.data(), cols); break;
+      }
+      done = true;
+    }
+#endif
+    if (!done) {
+      for (int64_t n = b; n < e; ++n) {
+        to_float(wp + n * ws, row.data(), K);
+        for (int64_t m = 0; m < M; ++m) out[m * cols + (n - b)] = dot(xf.data() + m * K, row.data(), K);
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      float* om = out.data() + m * cols;
+      if (bp)
+        for (int64_t n = b; n < e; ++n) om[n - b] += static_cast<float>(bp[n]);
+      from_float(om, yp + m * N + b, cols);
+    }
+  });
+}
+
+Tensor linear_small(Tensor x, Tensor w, std::optional<Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(0) <= kMaxSmallRows, "linear_small: x [rows <= 4, in]");
+  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && w.size(1) == x.size(1), "linear_small: w [out, in] with contiguous rows");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "linear_small: x and w dtypes differ");
+  Tensor b = bias.has_value() ? *bias : Tensor();
+  if (b.defined()) TORCH_CHECK(b.is_contiguous() && b.numel() == w.size(0) && b.scalar_type() == x.scalar_type(), "linear_small: bias [out]");
+  Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+  if (x.size(0) == 0) return y;
+  if (x.scalar_type() == at::kFloat) {
+    linear_small_impl<float>(x, w, b, y);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    linear_small_impl<c10::BFloat16>(x, w, b, y);
+  } else {
+    TORCH_CHECK(false, "linear_small: float32 or bfloat16 only");
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvpage, m) {
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("linear_small(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvpage, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("write_kv", &write_kv);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_", &rope_);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("linear_small", &linear_small);
+}

@@ -1,0 +1,95 @@
+"""kvpage's compiled CPU kernels equal the torch reference ops they replace, op by op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpage.models.layer_ops import KernelLayerOps, TorchLayerOps
+from kvpage.ops import load
+
+pytestmark = pytest.mark.skipif(not load(), reason="no C++ compiler: the kernels cannot be built here")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def tol(dtype):
+    return {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+
+
+@pytest.fixture
+def ops():
+    return TorchLayerOps(), KernelLayerOps()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms(ops, dtype):
+    ref, ker = ops
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(7, 96, generator=g) * 3).to(dtype)
+    delta = torch.randn(7, 96, generator=g).to(dtype)
+    w = torch.randn(96, generator=g).to(dtype)
+    torch.testing.assert_close(ker.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), **tol(dtype))
+    rx, rh = ref.add_rms_norm(x.clone(), delta, w, 1e-5)
+    kx_in = x.clone()
+    kx, kh = ker.add_rms_norm(kx_in, delta, w, 1e-5)
+    assert kx is kx_in  # the residual stream is updated in place
+    torch.testing.assert_close(kx, rx, atol=0, rtol=0)  # one rounded add, as torch's
+    torch.testing.assert_close(kh, rh, **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_and_silu(ops, dtype):
+    ref, ker = ops
+    g = torch.Generator().manual_seed(2)
+    heads, kv_heads, d, t = 6, 2, 32, 5
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    freqs = torch.arange(t).float()[:, None] * torch.rand(d // 2, generator=g)[None]
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    expected = ref.qkv_rope(qkv.clone(), cos, sin, heads, kv_heads, d)
+    got = ker.qkv_rope(qkv.clone(), cos, sin, heads, kv_heads, d)
+    for e, o in zip(expected, got, strict=True):
+        assert e.shape == o.shape
+        torch.testing.assert_close(o, e, **tol(dtype))
+    gu = (torch.randn(t, 2 * 40, generator=g) * 4).to(dtype)
+    torch.testing.assert_close(ker.silu_mul(gu), ref.silu_mul(gu), **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 17])
+@pytest.mark.parametrize("k", [64, 100])  # 100: not a multiple of the vector width
+def test_linear(ops, dtype, rows, k):
+    ref, ker = ops
+    g = torch.Generator().manual_seed(rows * 7 + k)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = torch.randn(131, k, generator=g).to(dtype)  # 131 outputs: not a multiple of the row tile
+    b = torch.randn(131, generator=g).to(dtype)
+    t = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.25, "rtol": 2e-2}
+    torch.testing.assert_close(ker.linear(x, w), ref.linear(x, w), **t)
+    torch.testing.assert_close(ker.linear(x, w, b), ref.linear(x, w, b), **t)
+    # a strided view of rows (as the logits' rows picked out of the hidden states)
+    wide = torch.randn(rows, 2 * k, generator=g).to(dtype)[:, :k]
+    torch.testing.assert_close(ker.linear(wide, w), ref.linear(wide, w), **t)
+
+
+def test_kernels_reject_bad_input_by_name():
+    k = torch.ops.kvpage
+    cache = torch.zeros(4, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="k_cache and v_cache differ"):
+        k.write_kv(
+            torch.zeros(1, 2, 8),
+            torch.zeros(1, 2, 8),
+            cache,
+            torch.zeros(4, 2, 4, 16),
+            torch.zeros(1, dtype=torch.long),
+        )
+    with pytest.raises(RuntimeError, match="out of range"):
+        k.write_kv(torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), cache, cache.clone(), torch.tensor([16]))
+    q = torch.zeros(1, 4, 8)
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        k.paged_decode_attention(
+            q.clone(), q, cache, cache.clone(), torch.zeros(1, 1, dtype=torch.long), torch.tensor([5]), 1.0
+        )
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
+        k.silu_mul(torch.zeros(2, 4, dtype=torch.float16))
