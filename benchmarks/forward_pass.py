@@ -101,14 +101,16 @@ def measure(lm, kind: str, batch: int, repeat: int) -> dict:
     x = torch.randn(tokens, cfg.hidden_size, dtype=dtype)
     rows = len(inputs.logits_seq_ids)
 
+    linear = model.ops.linear  # the linears as this model runs them (a few rows: kvpage's own kernel)
+
     @torch.inference_mode()
     def linears_only():
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_proj(x)
-            attn.o_proj(x)
-            h = mlp.gate_up_proj(x)
-            mlp.down_proj(h[:, : cfg.intermediate_size])
+            linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)
+            linear(x, attn.o_proj.weight)
+            h = linear(x, mlp.gate_up_proj.weight)
+            linear(h[:, : cfg.intermediate_size].contiguous(), mlp.down_proj.weight)
         model.compute_logits(x[:rows])
 
     t_bound = median_time(linears_only, repeat)
@@ -150,23 +152,26 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per shape; the median is reported")
     ap.add_argument("--no-transformers", action="store_true", help="skip timing transformers' loader")
     ap.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
+    ap.add_argument("--backends", default="cpu,torch", help="attention backends to compare (default cpu,torch)")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="dtypes (default float32,bfloat16)")
     args = ap.parse_args()
     torch.manual_seed(0)
     rows = []
-    header = "| dtype | shape | tokens/s | linear-only bound tokens/s | forward/bound | attention share |"
-    lines = [header, "|---|---|---|---|---|---|"]
-    for dtype in ("float32", "bfloat16"):
-        lm = load_model("smollm2", dtype=dtype)
-        shapes = [("decode", b) for b in DECODE_BATCHES] + [("prefill", 1)]
-        for kind, batch in shapes:
-            r = measure(lm, kind, batch, args.repeat) | {"dtype": dtype}
-            rows.append(r)
-            shape = f"decode batch {batch}, context {CONTEXT}" if kind == "decode" else f"prefill {PREFILL}"
-            lines.append(
-                f"| {dtype} | {shape} | {r['tokens_per_s']:,.0f} | {r['bound_tokens_per_s']:,.0f} | "
-                f"{r['ratio']:.2f} | {r['attention_share']:.0%} |"
-            )
-            print(lines[-1], flush=True)
+    header = "| backend | dtype | shape | tokens/s | linear-only bound tokens/s | forward/bound | attention share |"
+    lines = [header, "|---|---|---|---|---|---|---|"]
+    for backend in args.backends.split(","):
+        for dtype in args.dtypes.split(","):
+            lm = load_model("smollm2", dtype=dtype, backend=backend)
+            shapes = [("decode", b) for b in DECODE_BATCHES] + [("prefill", 1)]
+            for kind, batch in shapes:
+                r = measure(lm, kind, batch, args.repeat) | {"dtype": dtype, "backend": backend}
+                rows.append(r)
+                shape = f"decode batch {batch}, context {CONTEXT}" if kind == "decode" else f"prefill {PREFILL}"
+                lines.append(
+                    f"| {backend} | {dtype} | {shape} | {r['tokens_per_s']:,.0f} | {r['bound_tokens_per_s']:,.0f} | "
+                    f"{r['ratio']:.2f} | {r['attention_share']:.0%} |"
+                )
+                print(lines[-1], flush=True)
     loads = load_times(args.repeat, not args.no_transformers)
     load_line = (
         f"Load time of SmolLM2-135M-Instruct (float32): {loads['cached_s']:.2f} s from kvpage's conversion cache, "
@@ -179,10 +184,9 @@ def main() -> None:
     _plot(rows)
     if not args.no_results:
         body = (
-            "Forward pass of SmolLM2-135M-Instruct on the paged cache (16-token blocks, reference torch backend), "
-            "against the same model's linear layers alone at the same shapes.\n\n"
-            + "\n".join(lines)
-            + f"\n\n{load_line}\n"
+            "Forward pass of SmolLM2-135M-Instruct on the paged cache (16-token blocks), per attention backend "
+            "(cpu: kvpage's compiled kernels; torch: the reference), against the same model's linear layers "
+            "alone at the same shapes, run as the model runs them.\n\n" + "\n".join(lines) + f"\n\n{load_line}\n"
         )
         append_results("Forward pass (benchmarks/forward_pass.py)", body, "torch", "transformers")
 
@@ -197,16 +201,17 @@ def _plot(rows) -> None:
         return
     from _report import OUT
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, dtype in zip(axes, ("float32", "bfloat16"), strict=True):
-        sel = [r for r in rows if r["dtype"] == dtype]
+    panels = sorted({(r["backend"], r["dtype"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (backend, dtype) in zip(axes[0], panels, strict=True):
+        sel = [r for r in rows if (r["backend"], r["dtype"]) == (backend, dtype)]
         labels = [f"dec {r['batch']}" if r["kind"] == "decode" else f"pre {r['tokens']}" for r in sel]
         xs = range(len(sel))
         ax.bar([x - 0.2 for x in xs], [r["tokens_per_s"] for r in sel], 0.4, label="forward")
         ax.bar([x + 0.2 for x in xs], [r["bound_tokens_per_s"] for r in sel], 0.4, label="linear layers only")
         ax.set_xticks(list(xs), labels)
         ax.set_yscale("log")
-        ax.set_title(f"SmolLM2-135M {dtype}: tokens/s")
+        ax.set_title(f"SmolLM2-135M {dtype}, {backend}: tokens/s")
         ax.legend()
     fig.tight_layout()
     OUT.mkdir(exist_ok=True)

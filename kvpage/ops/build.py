@@ -43,8 +43,10 @@ def _cpu_flags() -> str:
 
 
 # -ffp-contract=off: no fused multiply-adds where the source has a multiply then an add, so the
-# elementwise ops (RoPE, SiLU) round as torch's do, step by step
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
+# elementwise ops (RoPE, SiLU) round as torch's do, step by step. -fopenmp: at::parallel_for is a
+# header template that splits work with `#pragma omp parallel` (torch's CPU build is OpenMP); without
+# it the kernels run on one thread. The libgomp.so.1 torch loads is the one that runs them.
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w"]
 
 
 def _key(cxx: str) -> str:

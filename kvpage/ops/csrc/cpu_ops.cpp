@@ -46,6 +46,62 @@ inline void from_float(const float* src, c10::BFloat16* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);  // round to nearest even
 }
 
+// exp over a float array, vectorised where AVX2 is: the Cephes single-precision scheme (x = n ln2 + r,
+// a degree-5 polynomial in r, times 2^n), within 2 ulp of expf over the range softmax and SiLU use.
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+#endif
+
+// s[i] = exp(s[i] - shift); returns the sum
+inline float exp_shifted(float* s, int64_t n, float shift) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 sh = _mm256_set1_ps(shift);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), sh));
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (float v : lanes) sum += v;
+#endif
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - shift);
+    sum += s[i];
+  }
+  return sum;
+}
+
+// s[i] = s[i] / (1 + exp(-s[i]))
+inline void silu_inplace(float* s, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(s + i);
+    _mm256_storeu_ps(s + i, _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, x)))));
+  }
+#endif
+  for (; i < n; ++i) s[i] = s[i] / (1.f + std::exp(-s[i]));
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -63,11 +119,69 @@ void check_cache(const Tensor& cache, const Tensor& other, const char* what) {
 // seq_lens [S] int64. One task per (sequence, kv head): the group's H / KVH query heads are scored
 // against each key as it is loaded once, with an online softmax per block of keys.
 
+// Scores of one block: sc[g * ldsc + t] = q_g . k_t for G query heads, cnt keys (rows of D floats).
+inline void block_scores(const float* q, int64_t G, int64_t D, const float* k, int64_t cnt, float* sc, int64_t ldsc) {
+  int64_t t0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      for (int64_t t = 0; t + 4 <= cnt; t += 4) {  // four keys, four independent FMA chains
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        const float* k0 = k + t * D;
+        for (int64_t c = 0; c < D; c += 8) {
+          const __m256 qv = _mm256_loadu_ps(qg + c);
+          a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + c), a0);
+          a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + D + c), a1);
+          a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * D + c), a2);
+          a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * D + c), a3);
+        }
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        _mm_storeu_ps(sc + g * ldsc + t, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+      }
+    }
+    t0 = cnt / 4 * 4;
+  }
+#endif
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t t = t0; t < cnt; ++t) sc[g * ldsc + t] = dot(q + g * D, k + t * D, D);
+}
+
+// acc_g += sum_t p[g * ldp + t] * v_t for G heads, cnt values (rows of D floats).
+inline void block_accumulate(float* acc, int64_t G, int64_t D, const float* v, int64_t cnt, const float* p, int64_t ldp) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D == 64 || D == 128) {
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t c0 = 0; c0 < D; c0 += 64) {  // 8 accumulators in registers per 64 columns
+        __m256 a[8];
+        float* ag = acc + g * D + c0;
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(ag + 8 * i);
+        for (int64_t t = 0; t < cnt; ++t) {
+          const __m256 pv = _mm256_set1_ps(p[g * ldp + t]);
+          const float* vr = v + t * D + c0;
+          for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * i), a[i]);
+        }
+        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(ag + 8 * i, a[i]);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < cnt; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const float pt = p[g * ldp + t];
+      float* ag = acc + g * D;
+      const float* vr = v + t * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) ag[i] += pt * vr[i];
+    }
+}
+
 template <typename T>
 void decode_impl(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& bt,
                  const Tensor& lens, double scale) {
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = kc.size(1), BS = kc.size(2), G = H / KVH, W = bt.size(1);
+  const int64_t KVH = kc.size(1), BS = kc.size(2), G = H / KVH;
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const T* kp = kc.data_ptr<T>();
@@ -78,7 +192,9 @@ void decode_impl(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& v
   const int64_t bts = bt.stride(0), num_blocks = kc.size(0);
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), m(G), l(G), sc(G * BS), row(D);
+    // kf/vf: one block of K/V in float32 (bfloat16 caches are widened once per block)
+    std::vector<float> qf(G * D), acc(G * D), m(G), l(G), sc(G * BS), kf, vf;
+    if constexpr (!std::is_same_v<T, float>) kf.resize(BS * D), vf.resize(BS * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / KVH, h = task % KVH, n = lp[s];
       for (int64_t g = 0; g < G; ++g) {
@@ -92,46 +208,29 @@ void decode_impl(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& v
         const int64_t blk = btp[s * bts + j], cnt = std::min(BS, n - j * BS);
         TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id ", blk, " out of range");
         const int64_t base = (blk * KVH + h) * BS * D;
-        for (int64_t t = 0; t < cnt; ++t) {
-          const float* kr;
-          if constexpr (std::is_same_v<T, float>) {
-            kr = kp + base + t * D;
-          } else {
-            to_float(kp + base + t * D, row.data(), D);
-            kr = row.data();
-          }
-          for (int64_t g = 0; g < G; ++g) sc[g * BS + t] = dot(qf.data() + g * D, kr, D);
+        const float *kb, *vb;
+        if constexpr (std::is_same_v<T, float>) {
+          kb = kp + base, vb = vp + base;
+        } else {
+          to_float(kp + base, kf.data(), cnt * D);
+          to_float(vp + base, vf.data(), cnt * D);
+          kb = kf.data(), vb = vf.data();
         }
+        block_scores(qf.data(), G, D, kb, cnt, sc.data(), BS);
         for (int64_t g = 0; g < G; ++g) {
           float* sg = sc.data() + g * BS;
           float bm = m[g];
           for (int64_t t = 0; t < cnt; ++t) bm = std::max(bm, sg[t]);
           const float corr = std::exp(m[g] - bm);  // exp(-inf) = 0 on the first block
-          float sum = 0.f;
-          for (int64_t t = 0; t < cnt; ++t) {
-            sg[t] = std::exp(sg[t] - bm);
-            sum += sg[t];
-          }
+          const float sum = exp_shifted(sg, cnt, bm);
           l[g] = l[g] * corr + sum;
           m[g] = bm;
-          float* ag = acc.data() + g * D;
-          for (int64_t i = 0; i < D; ++i) ag[i] *= corr;
-        }
-        for (int64_t t = 0; t < cnt; ++t) {
-          const float* vr;
-          if constexpr (std::is_same_v<T, float>) {
-            vr = vp + base + t * D;
-          } else {
-            to_float(vp + base + t * D, row.data(), D);
-            vr = row.data();
-          }
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = sc[g * BS + t];
+          if (corr != 1.f) {
             float* ag = acc.data() + g * D;
-#pragma omp simd
-            for (int64_t i = 0; i < D; ++i) ag[i] += p * vr[i];
+            for (int64_t i = 0; i < D; ++i) ag[i] *= corr;
           }
         }
+        block_accumulate(acc.data(), G, D, vb, cnt, sc.data(), BS);
       }
       for (int64_t g = 0; g < G; ++g) {
         const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
@@ -305,7 +404,8 @@ void silu_impl(const Tensor& gu, Tensor& out) {
     for (int64_t i = b; i < e; ++i) {
       to_float(gp + i * gs, g.data(), I);
       to_float(gp + i * gs + I, u.data(), I);
-      for (int64_t j = 0; j < I; ++j) g[j] = round_to(g[j] / (1.f + std::exp(-g[j])), T()) * u[j];
+      silu_inplace(g.data(), I);
+      for (int64_t j = 0; j < I; ++j) g[j] = round_to(g[j], T()) * u[j];
       from_float(g.data(), op + i * I, I);
     }
   });
@@ -327,8 +427,6 @@ Tensor silu_mul(Tensor gate_up) {
 // --- y = x @ w.T (+ bias) for a few rows: memory-bound, so one pass over w, split over threads ----
 // x [M, K], w [N, K] (rows contiguous), bias [N] or empty. Each thread owns a range of output
 // columns and streams its rows of w once for all M rows of x; sums in float32.
-
-constexpr int64_t kMaxSmallRows = 4;
 
 #if defined(__AVX2__) && defined(__FMA__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -359,8 +457,26 @@ inline void tile(const float* xf, int64_t K, const T* w, int64_t ws, float* out,
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MM; ++m) out[m * ostride + r] = hsum(acc[r][m]);
 }
+// one row of w against one x, four accumulators along K: a single sequential stream
+template <typename T>
+inline float row_dot(const float* xf, int64_t K, const T* w) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    a0 = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(xf + k), a0);
+    a1 = _mm256_fmadd_ps(load8(w + k + 8), _mm256_loadu_ps(xf + k + 8), a1);
+    a2 = _mm256_fmadd_ps(load8(w + k + 16), _mm256_loadu_ps(xf + k + 16), a2);
+    a3 = _mm256_fmadd_ps(load8(w + k + 24), _mm256_loadu_ps(xf + k + 24), a3);
+  }
+  for (; k < K; k += 8) a0 = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(xf + k), a0);
+  return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
 template <int MM, typename T>
 void rows_avx2(const float* xf, int64_t K, const T* w, int64_t ws, int64_t b, int64_t e, float* out, int64_t ostride) {
+  if constexpr (MM == 1) {
+    for (int64_t n = b; n < e; ++n) out[n - b] = row_dot(xf, K, w + n * ws);
+    return;
+  }
   constexpr int R = MM <= 2 ? 4 : 2;
   int64_t n = b;
   for (; n + R <= e; n += R) tile<R, MM>(xf, K, w + n * ws, ws, out + (n - b), ostride);
@@ -384,11 +500,19 @@ void linear_small_impl(const Tensor& x, const Tensor& w, const Tensor& bias, Ten
     bool done = false;
 #if defined(__AVX2__) && defined(__FMA__)
     if (K % 8 == 0) {
-      switch (M) {
-        case 1: rows_avx2<1>(xf.data(), K, wp, ws, b, e, out.data(), cols); break;
-        case 2: rows_avx2<2>(xf.data(), K, wp, ws, b, e, out.data(), cols); break;
-        case 3: rows_avx2<3>(xf.data(), K, wp, ws, b, e, out.data(), cols); break;
-        default: rows_avx2<4>(xf.data(), K, wp, ws, b, e, out.data(), cols); break;
+      // 64 rows of w at a time stay in L2 while every group of up to 4 rows of x passes over them
+      for (int64_t nb = b; nb < e; nb += 64) {
+        const int64_t ne = std::min(e, nb + 64);
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const float* xm = xf.data() + m0 * K;
+          float* om = out.data() + m0 * cols + (nb - b);
+          switch (std::min<int64_t>(4, M - m0)) {
+            case 1: rows_avx2<1>(xm, K, wp, ws, nb, ne, om, cols); break;
+            case 2: rows_avx2<2>(xm, K, wp, ws, nb, ne, om, cols); break;
+            case 3: rows_avx2<3>(xm, K, wp, ws, nb, ne, om, cols); break;
+            default: rows_avx2<4>(xm, K, wp, ws, nb, ne, om, cols); break;
+          }
+        }
       }
       done = true;
     }
@@ -409,7 +533,7 @@ void linear_small_impl(const Tensor& x, const Tensor& w, const Tensor& bias, Ten
 }
 
 Tensor linear_small(Tensor x, Tensor w, std::optional<Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(0) <= kMaxSmallRows, "linear_small: x [rows <= 4, in]");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear_small: x [rows, in] with contiguous rows");
   TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && w.size(1) == x.size(1), "linear_small: w [out, in] with contiguous rows");
   TORCH_CHECK(w.scalar_type() == x.scalar_type(), "linear_small: x and w dtypes differ");
   Tensor b = bias.has_value() ? *bias : Tensor();
