@@ -107,7 +107,7 @@ def measure(lm, kind: str, batch: int, repeat: int) -> dict:
     def linears_only():
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)
+            linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)  # (quantized weights too)
             linear(x, attn.o_proj.weight)
             h = linear(x, mlp.gate_up_proj.weight)
             linear(h[:, : cfg.intermediate_size].contiguous(), mlp.down_proj.weight)
@@ -154,6 +154,7 @@ def main() -> None:
     ap.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
     ap.add_argument("--backends", default="cpu,torch", help="attention backends to compare (default cpu,torch)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="dtypes (default float32,bfloat16)")
+    ap.add_argument("--weight-dtype", choices=["int8", "int4"], default=None, help="weight-only quantization")
     args = ap.parse_args()
     torch.manual_seed(0)
     rows = []
@@ -161,14 +162,15 @@ def main() -> None:
     lines = [header, "|---|---|---|---|---|---|---|"]
     for backend in args.backends.split(","):
         for dtype in args.dtypes.split(","):
-            lm = load_model("smollm2", dtype=dtype, backend=backend)
+            lm = load_model("smollm2", dtype=dtype, backend=backend, weight_dtype=args.weight_dtype)
             shapes = [("decode", b) for b in DECODE_BATCHES] + [("prefill", 1)]
             for kind, batch in shapes:
-                r = measure(lm, kind, batch, args.repeat) | {"dtype": dtype, "backend": backend}
+                label = f"{dtype}, {args.weight_dtype} weights" if args.weight_dtype else dtype
+                r = measure(lm, kind, batch, args.repeat) | {"dtype": label, "backend": backend}
                 rows.append(r)
                 shape = f"decode batch {batch}, context {CONTEXT}" if kind == "decode" else f"prefill {PREFILL}"
                 lines.append(
-                    f"| {backend} | {dtype} | {shape} | {r['tokens_per_s']:,.0f} | {r['bound_tokens_per_s']:,.0f} | "
+                    f"| {backend} | {label} | {shape} | {r['tokens_per_s']:,.0f} | {r['bound_tokens_per_s']:,.0f} | "
                     f"{r['ratio']:.2f} | {r['attention_share']:.0%} |"
                 )
                 print(lines[-1], flush=True)
@@ -203,7 +205,7 @@ def _plot(rows) -> None:
 
     panels = sorted({(r["backend"], r["dtype"]) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    for ax, (backend, dtype) in zip(axes[0], panels, strict=True):
+    for ax, (backend, dtype) in zip(axes[0], panels, strict=True):  # dtype: the row's label
         sel = [r for r in rows if (r["backend"], r["dtype"]) == (backend, dtype)]
         labels = [f"dec {r['batch']}" if r["kind"] == "decode" else f"pre {r['tokens']}" for r in sel]
         xs = range(len(sel))

@@ -37,7 +37,7 @@ def workload(n: int, seed: int, prompt_words: tuple[int, int], max_tokens: tuple
             for _ in range(n)]  # fmt: skip
 
 
-def start_server(variant: str, dtype: str) -> tuple[subprocess.Popen, str]:
+def start_server(variant: str, dtype: str, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -46,6 +46,7 @@ def start_server(variant: str, dtype: str) -> tuple[subprocess.Popen, str]:
         key, _, value = variant.partition("=")
         env[key] = value
     cmd = [sys.executable, "-m", "kvpage.cli", "serve", "--port", str(port), "--dtype", dtype, "--log-level", "warning"]
+    cmd += list(extra)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -59,10 +60,18 @@ def start_server(variant: str, dtype: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError(f"the server did not start: {proc.stdout.read() if proc.stdout else ''}")
 
 
-async def run_load(url: str, reqs, concurrency: int) -> dict:
+def make_client(url: str):
+    """An openai client that opens a connection per request: llama-server closes idle keep-alive
+    connections after a few seconds, and reusing one it closed fails the request."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    http = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=0))
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600, http_client=http)
+
+
+async def run_load(url: str, reqs, concurrency: int) -> dict:
+
+    client = make_client(url)
     sem = asyncio.Semaphore(concurrency)
     ttft: list[float] = []
     itl: list[float] = []
@@ -97,11 +106,11 @@ async def run_load(url: str, reqs, concurrency: int) -> dict:
             "ttft_p99_s": q[98], "itl_p50_s": statistics.median(itl) if itl else 0.0}  # fmt: skip
 
 
-def run_api(reqs, dtype: str) -> dict:
+def run_api(reqs, dtype: str, weight_dtype: str | None = None) -> dict:
     """The same requests one at a time through the Python API in this process: the server's baseline."""
     from kvpage import LLM, SamplingParams
 
-    llm = LLM("smollm2", dtype=dtype)
+    llm = LLM("smollm2", dtype=dtype, weight_dtype=weight_dtype)
     llm.generate([reqs[0][0]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
     tokens, t0 = 0, time.perf_counter()
     for prompt, max_tokens in reqs:

@@ -21,6 +21,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="auto, float32, bfloat16 or float16 (default auto: bfloat16 where "
         "the CPU computes it natively, else float32)",
     )
+    g.add_argument("--weight-dtype", choices=["int8", "int4"], default=None,
+                   help="weight-only quantized linear layers: int8 (Q8_0-style) or int4 (Q4_1-style), "
+                   "groups of 32 (default: unquantized)")  # fmt: skip
+    g.add_argument(
+        "--attention-backend",
+        choices=["auto", "cpu", "torch"],
+        default="auto",
+        help="auto (default): kvpage's compiled CPU kernels where they build, else the torch reference",
+    )
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     g.add_argument("--kv-cache-memory", default=None, help="memory for the KV cache, e.g. 512MiB (default 512MiB)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="size the KV cache in blocks instead")
@@ -38,7 +47,8 @@ def _make_llm(args: argparse.Namespace):
     kw = dict(dtype=args.dtype, block_size=args.block_size, swap_space=args.swap_space,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-              seed=args.seed)  # fmt: skip
+              seed=args.seed, weight_dtype=args.weight_dtype,
+              attention_backend=args.attention_backend)  # fmt: skip
     if args.num_kv_blocks is not None:
         kw["num_kv_blocks"] = args.num_kv_blocks
     else:

@@ -28,6 +28,7 @@ def parse_bytes(value: int | str, field_name: str) -> int:
 class EngineConfig:
     model: str = "smollm2"
     dtype: str = "auto"  # bfloat16 where the hardware computes it natively, else float32
+    weight_dtype: str | None = None  # "int8" / "int4": weight-only quantized linear layers (models/weight_quant.py)
     block_size: int = 16
     kv_cache_memory: int | str | None = None  # bytes for the KV cache; default 512MiB unless num_kv_blocks
     num_kv_blocks: int | None = None
@@ -56,6 +57,8 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
         self.swap_space = parse_bytes(self.swap_space, "swap_space")
+        if self.weight_dtype not in (None, "int8", "int4"):
+            raise ValueError(f"weight_dtype must be int8, int4 or None; got {self.weight_dtype!r}")
         if self.dtype not in ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16; got {self.dtype!r}")
         if self.preemption_mode not in (None, "recompute", "swap"):

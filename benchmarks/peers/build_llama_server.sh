@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's `llama-server` (and `llama-bench`) from the source that the llama-cpp-python
-# sdist vendors, for the side-by-side benchmarks only (never needed by `make run` or `make test`).
+# Builds llama.cpp's `llama-server` (and `llama-bench`, `llama-quantize`) from the source that the
+# llama-cpp-python sdist vendors, for the side-by-side benchmarks only (never needed by `make run`
+# or `make test`). benchmarks/peers.py calls it when the binaries are missing.
 #
 #   benchmarks/peers/build_llama_server.sh [VERSION]      (default 0.3.36)
 #
@@ -13,7 +14,7 @@ DIR="${KVPAGE_PEERS_DIR:-$HOME/.cache/kvpage/peers}"
 PY="${PYTHON:-python3}"
 SRC="$DIR/llama.cpp-$VERSION"
 mkdir -p "$DIR"
-if [ -x "$SRC/build/bin/llama-server" ]; then
+if [ -x "$SRC/build/bin/llama-server" ] && [ -x "$SRC/build/bin/llama-quantize" ]; then
   echo "$SRC/build/bin/llama-server"; exit 0
 fi
 if [ ! -d "$SRC" ]; then
@@ -26,7 +27,7 @@ fi
 FLAGS=(-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON
        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF)
 cmake -S "$SRC" -B "$SRC/build" "${FLAGS[@]}" >/dev/null
-cmake --build "$SRC/build" --target llama-server llama-bench -j "$(nproc)"
+cmake --build "$SRC/build" --target llama-server llama-bench llama-quantize -j "$(nproc)"
 {
   echo "llama-cpp-python sdist $VERSION (vendored llama.cpp)"
   echo "cmake flags: ${FLAGS[*]}"

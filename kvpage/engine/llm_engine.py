@@ -54,11 +54,14 @@ class LLMEngine:
         self.config = config
         self.dtype_name, self.dtype_reason = choose_dtype(config.dtype, config.device)  # "auto" resolved here
         dtype = parse_dtype(self.dtype_name)
-        loaded = load_model(config.model, dtype=dtype, device=config.device, backend=config.attention_backend)
+        loaded = load_model(config.model, dtype=dtype, device=config.device, backend=config.attention_backend,
+                            weight_dtype=config.weight_dtype)  # fmt: skip
         if loaded.tokenizer is None:
             raise ValueError(f"model {config.model!r} has no tokenizer; kvpage needs one to serve text")
         self.model_config = loaded.config
         self.kernels = describe_kernels(loaded.model.ops.name, config.attention_backend)
+        if config.weight_dtype:
+            self.kernels += f"; {config.weight_dtype} weights"
         self.tokenizer = loaded.tokenizer
         block_size = config.block_size
         per_block = KVCache.bytes_per_block(loaded.config, block_size, dtype)

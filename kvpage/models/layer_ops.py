@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvpage.models.weight_quant import QuantizedWeight
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
@@ -61,6 +63,8 @@ class TorchLayerOps:
         return F.silu(gate) * up
 
     def linear(self, x, weight, bias=None):
+        if isinstance(weight, QuantizedWeight):  # slow but exact: widen the whole weight each call
+            return F.linear(x, weight.dequantize().to(x.dtype), bias)
         return F.linear(x, weight, bias)
 
 
@@ -97,6 +101,14 @@ class KernelLayerOps(TorchLayerOps):
         return self._k.silu_mul(gate_up)
 
     def linear(self, x, weight, bias=None):
+        if isinstance(weight, QuantizedWeight):
+            if x.dtype not in self._DTYPES:
+                return super().linear(x, weight, bias)
+            if x.dtype == torch.float32 and x.shape[0] > F32_KERNEL_MAX_ROWS:  # compute-bound: torch's GEMM
+                w = self._k.dequantize_weight(weight.q, weight.scales, weight.mins, weight.bits)
+                return F.linear(x, w, bias)
+            b = None if bias is None else bias.float()
+            return self._k.linear_quant(x.contiguous(), weight.q, weight.scales, weight.mins, weight.bits, b)
         rows = x.shape[0]
         ours = x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and rows <= F32_KERNEL_MAX_ROWS)
         if ours and rows > 0 and weight.dtype == x.dtype and x.stride(-1) == 1:

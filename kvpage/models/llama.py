@@ -145,6 +145,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head_weight = None  # set by weight_quant.quantize_model
 
     def forward(
         self,
@@ -161,7 +162,9 @@ class LlamaForCausalLM(nn.Module):
         return self.ops.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.head_weight  # a QuantizedWeight under weight-only quantization
+        if weight is None:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return self.ops.linear(hidden, weight)
 
     @torch.no_grad()

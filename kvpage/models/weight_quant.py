@@ -1,0 +1,86 @@
+"""Weight-only quantization of the linear layers: `weight_dtype="int8"` or `"int4"`.
+
+Groups of 32 weights along each output row share a float32 scale, llama.cpp's schemes:
+    int8  w = d * q,        q in -127..127, d = max|w| / 127           (Q8_0: 1.06 bytes per weight)
+    int4  w = d * q + min,  q in 0..15,     d = (max - min) / 15        (Q4_1: 0.63 bytes per weight)
+Activations stay in the model's dtype; the kernel (kvpage/ops, `linear_quant`) widens the weights
+to float32 in cache and multiplies, so at small batches the step reads a quarter (int8) or a sixth
+(int4) of float32's bytes. A GGUF whose tensors are Q4_1 (SmolLM2's) quantized to int4 here gets
+its own values back: the group boundaries are the same and each group's min and max are levels 0 and 15.
+Embedding lookups stay unquantized; the output projection (the tied embedding) is quantized to int8
+under both, as llama.cpp's 4-bit files keep it at 6-8 bits (SmolLM2's GGUF: Q8_0, which int8 reproduces).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP = 32
+WEIGHT_DTYPES = ("int8", "int4")
+
+
+@dataclass(slots=True)
+class QuantizedWeight:
+    bits: int
+    q: torch.Tensor  # int8 [out, in] or uint8 [out, in / 2] (two 4-bit values per byte)
+    scales: torch.Tensor  # float32 [out, in / 32]
+    mins: torch.Tensor | None  # float32 [out, in / 32] for int4
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.mins) if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        out, k = self.shape
+        d = self.scales[:, :, None]
+        if self.bits == 8:
+            return (self.q.view(out, k // GROUP, GROUP).float() * d).view(out, k)
+        packed = self.q.view(out, k // GROUP, GROUP // 2)
+        levels = torch.cat((packed & 0x0F, packed >> 4), dim=-1).float()  # low nibbles first
+        return (levels * d + self.mins[:, :, None]).view(out, k)
+
+
+def quantize(w: torch.Tensor, bits: int) -> QuantizedWeight:
+    out, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"weight-only quantization needs input sizes divisible by {GROUP}, got {k}")
+    g = w.detach().float().reshape(out, k // GROUP, GROUP)
+    if bits == 8:
+        d = g.abs().amax(-1) / 127
+        q = torch.where(d[..., None] > 0, g / d[..., None].clamp_min(1e-30), 0).round().clamp(-127, 127)
+        return QuantizedWeight(8, q.to(torch.int8).reshape(out, k).contiguous(), d.contiguous(), None, (out, k))
+    if bits == 4:
+        lo, hi = g.amin(-1), g.amax(-1)
+        d = (hi - lo) / 15
+        q = torch.where(d[..., None] > 0, (g - lo[..., None]) / d[..., None].clamp_min(1e-30), 0).round().clamp(0, 15)
+        q = q.to(torch.uint8)
+        packed = q[..., : GROUP // 2] | (q[..., GROUP // 2 :] << 4)
+        return QuantizedWeight(4, packed.reshape(out, k // 2).contiguous(), d.contiguous(), lo.contiguous(), (out, k))
+    raise ValueError(f"bits must be 8 or 4, got {bits}")
+
+
+def bits_of(weight_dtype: str) -> int:
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES} or None, got {weight_dtype!r}")
+    return 8 if weight_dtype == "int8" else 4
+
+
+@torch.no_grad()
+def quantize_model(model, weight_dtype: str) -> int:
+    """Replace every linear layer's weight (and the output projection) by its quantized form, in
+    place; returns the bytes the linear weights now take."""
+    bits = bits_of(weight_dtype)
+    total = 0
+    for layer in model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            qw = quantize(lin.weight, bits)
+            del lin.weight  # the parameter goes; the module keeps the quantized weight as a plain attribute
+            lin.weight = qw
+            total += qw.nbytes
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    model.head_weight = quantize(head, 8)  # the logits are the most sensitive: 8 bits under int4 too
+    total += model.head_weight.nbytes
+    return total
