@@ -125,6 +125,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--variant", action="append", help="'default' or ENV=VALUE for the server (repeatable)")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--weight-dtype", choices=["int8", "int4"], default=None)
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, nargs=2, default=[32, 128])
     ap.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
@@ -135,7 +136,7 @@ def main() -> int:
         reqs = workload(max(4, c * args.requests_per_client), seed=c, prompt_words=(16, 256),
                         max_tokens=tuple(args.max_tokens))  # fmt: skip
         for v in variants:
-            proc, url = start_server(v, args.dtype)
+            proc, url = start_server(v, args.dtype, ("--weight-dtype", args.weight_dtype) if args.weight_dtype else ())
             try:
                 asyncio.run(run_load(url, reqs[:2], min(c, 2)))  # warm-up (first-call costs)
                 r = asyncio.run(run_load(url, reqs, c))
@@ -149,7 +150,7 @@ def main() -> int:
     if 1 in args.concurrency:
         reqs = workload(max(4, args.requests_per_client), seed=1, prompt_words=(16, 256),
                         max_tokens=tuple(args.max_tokens))  # fmt: skip
-        api = run_api(reqs, args.dtype)
+        api = run_api(reqs, args.dtype, args.weight_dtype)
         data["python API c=1"] = api
         rows.append(f"| 1 | (Python API, no server) | {api['output_tokens_per_s']:.1f} | | |")
     table = ("| clients | server variant | output tokens/s | TTFT p50 / p99 (s) | ITL p50 (ms) |\n"

@@ -1,8 +1,10 @@
 """Weight-only quantization of the linear layers: `weight_dtype="int8"` or `"int4"`.
 
 Groups of 32 weights along each output row share a float32 scale, llama.cpp's schemes:
-    int8  w = d * q,        q in -127..127, d = max|w| / 127           (Q8_0: 1.06 bytes per weight)
-    int4  w = d * q + min,  q in 0..15,     d = (max - min) / 15        (Q4_1: 0.63 bytes per weight)
+    int8  w = d * q,        q in -127..127, d = max|w| / 127      1.125 bytes per weight
+    int4  w = d * q + min,  q in 0..15,     d = (max - min) / 15   0.75 bytes per weight
+(llama.cpp stores d and min in float16: 1.06 and 0.63 bytes; ours are float32, which holds those
+float16 values exactly.)
 Activations stay in the model's dtype; the kernel (kvpage/ops, `linear_quant`) widens the weights
 to float32 in cache and multiplies, so at small batches the step reads a quarter (int8) or a sixth
 (int4) of float32's bytes. A GGUF whose tensors are Q4_1 (SmolLM2's) quantized to int4 here gets

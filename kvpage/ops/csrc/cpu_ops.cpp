@@ -617,6 +617,49 @@ Tensor dequantize_weight(Tensor q, Tensor scales, std::optional<Tensor> mins, in
   return w;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The few-rows path without the float32 buffer: each group's levels are widened in registers and
+// multiplied with x there; the scale is applied once per group, and int4's min through the group
+// sums of x (sum_j x_j (d q_j + min) = d sum_j x_j q_j + min sum_j x_j).
+template <int MM>
+void rows_quant_avx2(int bits, const float* xf, const float* xsum, int64_t K, const uint8_t* q, const float* d,
+                     const float* mn, int64_t b, int64_t e, float* out, int64_t ostride) {
+  const int64_t groups = K / 32;
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t n = b; n < e; ++n) {
+    __m256 acc[MM];
+    float minterm[MM];
+    for (int m = 0; m < MM; ++m) acc[m] = _mm256_setzero_ps(), minterm[m] = 0.f;
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 lv[4];
+      if (bits == 8) {
+        const int8_t* qg = reinterpret_cast<const int8_t*>(q) + n * K + 32 * g;
+        for (int j = 0; j < 4; ++j)
+          lv[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + 8 * j))));
+      } else {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * (K / 2) + 16 * g));
+        const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+        lv[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        lv[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        lv[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        lv[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+      }
+      const __m256 dv = _mm256_set1_ps(d[n * groups + g]);
+      for (int m = 0; m < MM; ++m) {
+        const float* xg = xf + m * K + 32 * g;
+        __m256 t = _mm256_mul_ps(lv[0], _mm256_loadu_ps(xg));
+        t = _mm256_fmadd_ps(lv[1], _mm256_loadu_ps(xg + 8), t);
+        t = _mm256_fmadd_ps(lv[2], _mm256_loadu_ps(xg + 16), t);
+        t = _mm256_fmadd_ps(lv[3], _mm256_loadu_ps(xg + 24), t);
+        acc[m] = _mm256_fmadd_ps(dv, t, acc[m]);
+        if (bits == 4) minterm[m] += mn[n * groups + g] * xsum[m * groups + g];
+      }
+    }
+    for (int m = 0; m < MM; ++m) out[m * ostride + (n - b)] = hsum(acc[m]) + minterm[m];
+  }
+}
+#endif
+
 template <typename T>
 void linear_quant_impl(const Tensor& x, int bits, const Tensor& q, const Tensor& d, const Tensor& mn,
                        const Tensor& bias, Tensor& y) {
@@ -627,12 +670,26 @@ void linear_quant_impl(const Tensor& x, int bits, const Tensor& q, const Tensor&
   const float* mp = mn.defined() ? mn.data_ptr<float>() : nullptr;
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   T* yp = y.data_ptr<T>();
-  std::vector<float> xf(M * K);
+  std::vector<float> xf(M * K), xsum(M * (K / 32), 0.f);
   for (int64_t m = 0; m < M; ++m) to_float(xp + m * x.stride(0), xf.data() + m * K, K);
+  for (int64_t i = 0; i < M * K; ++i) xsum[i / 32] += xf[i];  // rows are K = 32 * groups long
   constexpr int64_t kRows = 16;
   at::parallel_for(0, N, kRows, [&](int64_t b, int64_t e) {
     const int64_t cols = e - b;
-    std::vector<float> buf(kRows * K), out(M * cols);
+    std::vector<float> buf, out(M * cols);
+#if defined(__AVX2__) && defined(__FMA__)
+    if (M <= 4) {  // few rows: memory- and widening-bound, widen in registers only
+      float* o = out.data();
+      switch (M) {
+        case 1: rows_quant_avx2<1>(bits, xf.data(), xsum.data(), K, qp, dp, mp, b, e, o, cols); break;
+        case 2: rows_quant_avx2<2>(bits, xf.data(), xsum.data(), K, qp, dp, mp, b, e, o, cols); break;
+        case 3: rows_quant_avx2<3>(bits, xf.data(), xsum.data(), K, qp, dp, mp, b, e, o, cols); break;
+        default: rows_quant_avx2<4>(bits, xf.data(), xsum.data(), K, qp, dp, mp, b, e, o, cols); break;
+      }
+    } else
+#endif
+    {
+    buf.resize(kRows * K);
     for (int64_t nb = b; nb < e; nb += kRows) {
       const int64_t ne = std::min(e, nb + kRows);
       dequant_rows(bits, qp, dp, mp, K, nb, ne, buf.data());
@@ -651,6 +708,7 @@ void linear_quant_impl(const Tensor& x, int bits, const Tensor& q, const Tensor&
           for (int64_t n = nb; n < ne; ++n) om[mm * cols + (n - nb)] = dot(xm + mm * K, buf.data() + (n - nb) * K, K);
 #endif
       }
+    }
     }
     for (int64_t m = 0; m < M; ++m) {
       float* om = out.data() + m * cols;

@@ -1,0 +1,64 @@
+"""Weight-only quantization: the schemes, the kernel against the reference, the real model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpage.config import EngineConfig
+from kvpage.models.layer_ops import KernelLayerOps, TorchLayerOps
+from kvpage.models.weight_quant import QuantizedWeight, quantize
+from kvpage.ops import load
+
+
+def test_int8_and_int4_errors_are_within_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 96, generator=g)
+    for bits, levels in ((8, None), (4, 15)):
+        qw = quantize(w, bits)
+        assert qw.shape == (48, 96) and qw.scales.shape == (48, 3)
+        step = qw.scales.repeat_interleave(32, dim=1)
+        assert ((qw.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+        assert qw.nbytes == w.numel() * (1.125 if bits == 8 else 0.75)  # float32 scales (and mins)
+        if levels:
+            assert qw.q.dtype == torch.uint8 and qw.q.shape == (48, 48)
+
+
+def test_int4_gives_back_values_already_on_a_q4_1_grid():
+    """A GGUF's Q4_1 tensor, de-quantized, is quantized to int4 without loss (same groups, same levels)."""
+    g = torch.Generator().manual_seed(1)
+    d = torch.rand(8, 4, generator=g) * 0.1 + 0.01
+    lo = torch.randn(8, 4, generator=g)
+    levels = torch.randint(0, 16, (8, 4, 32), generator=g)
+    levels[..., 0], levels[..., 1] = 0, 15  # every group uses its lowest and highest level, as Q4_1's do
+    w = (levels * d[..., None] + lo[..., None]).reshape(8, 128)
+    torch.testing.assert_close(quantize(w, 4).dequantize(), w, atol=1e-6, rtol=0)
+    zero = quantize(torch.zeros(2, 32), 4)  # a constant group has no step: no division by zero
+    assert torch.equal(zero.dequantize(), torch.zeros(2, 32))
+
+
+def test_quantize_refuses_what_it_cannot_group():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        quantize(torch.zeros(4, 40), 8)
+    with pytest.raises(ValueError, match="bits must be 8 or 4"):
+        quantize(torch.zeros(4, 32), 2)
+    with pytest.raises(ValueError, match="weight_dtype must be int8, int4"):
+        EngineConfig(model="smollm2", weight_dtype="int3")
+
+
+@pytest.mark.skipif(not load(), reason="no C++ compiler: the kernels cannot be built here")
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 3, 17, 70])  # 70: past the kernel's float32 row limit (dequantize + GEMM)
+def test_kernel_equals_the_reference(bits, dtype, rows):
+    g = torch.Generator().manual_seed(rows + bits)
+    qw = quantize(torch.randn(75, 64, generator=g), bits)
+    assert isinstance(qw, QuantizedWeight)
+    x = torch.randn(rows, 64, generator=g).to(dtype)
+    bias = torch.randn(75, generator=g).to(dtype)
+    ref, ker = TorchLayerOps(), KernelLayerOps()
+    t = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 2e-2}
+    for b in (None, bias):
+        out = ker.linear(x, qw, b)
+        assert out.shape == (rows, 75) and out.dtype == dtype
+        torch.testing.assert_close(out, ref.linear(x, qw, b), **t)
