@@ -148,6 +148,7 @@ def load_times(repeat: int, with_transformers: bool) -> dict:
 
 
 def main() -> None:
+    global CONTEXT, DECODE_BATCHES
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per shape; the median is reported")
     ap.add_argument("--no-transformers", action="store_true", help="skip timing transformers' loader")
@@ -155,7 +156,10 @@ def main() -> None:
     ap.add_argument("--backends", default="cpu,torch", help="attention backends to compare (default cpu,torch)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="dtypes (default float32,bfloat16)")
     ap.add_argument("--weight-dtype", choices=["int8", "int4"], default=None, help="weight-only quantization")
+    ap.add_argument("--context", type=int, default=CONTEXT, help=f"cached tokens per decode (default {CONTEXT})")
+    ap.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)), help="decode batch sizes")
     args = ap.parse_args()
+    CONTEXT, DECODE_BATCHES = args.context, [int(b) for b in args.batches.split(",")]
     torch.manual_seed(0)
     rows = []
     header = "| backend | dtype | shape | tokens/s | linear-only bound tokens/s | forward/bound | attention share |"
