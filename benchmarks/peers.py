@@ -4,7 +4,7 @@ The same seeded requests go through the official `openai` client (streaming comp
 ignore_eos, so each request yields exactly its max_tokens) to `kvpage serve` and to llama.cpp's
 `llama-server` with `-np` equal to the concurrency, one server at a time:
   - output tokens/s, time to first token p50/p99, inter-token latency p50, at each --concurrency;
-  - time to first token of one ~1,000-token prompt, cold, then again (prefix cache warm);
+  - time to first token of one 760-token prompt, cold, then again (prefix cache warm);
   - at concurrency 1 also kvpage's Python API and transformers' `generate` on the same requests
     (what the server path costs; the ">= 2x transformers" target).
 llama-server runs the model's GGUF at the precision asked (--llama-types): F32 and BF16 are made
@@ -74,7 +74,7 @@ def start_llama(bindir: Path, gguf: Path, parallel: int, ctx_per_slot: int) -> t
 
 
 def long_prompt(words: int = 760, seed: int = 7) -> str:
-    """About 1,000 tokens of text (SmolLM2's tokenizer: ~1.35 tokens per word of this vocabulary)."""
+    """760 tokens of text (SmolLM2's tokenizer makes one token of each word of this vocabulary)."""
     return workload(1, seed, (words, words), (1, 1))[0][0]
 
 
@@ -175,7 +175,7 @@ def main() -> int:
             rows.append(f"| 1 | transformers generate, float32 (no server) | {hf['output_tokens_per_s']:.1f} | | | |")
             print(rows[-1], flush=True)
     table = ("| clients | engine | output tokens/s | TTFT p50 / p99 (s) | ITL p50 (ms) | "
-             "TTFT ~1k-token prompt cold / warm (s) |\n|---|---|---|---|---|---|\n" + "\n".join(rows))  # fmt: skip
+             "TTFT 760-token prompt cold / warm (s) |\n|---|---|---|---|---|---|\n" + "\n".join(rows))  # fmt: skip
     print(table)
     write_json("peers", {"results": data, "llama_build": info})
     if not args.no_results:
