@@ -20,15 +20,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 from _report import append_results, write_json
-from serving import make_client, run_api, run_load, start_server, workload
+from serving import free_port, make_client, run_api, run_load, start_server, wait_healthy, workload
 
 ROOT = Path(__file__).resolve().parent
 THREADS = os.cpu_count() or 2
@@ -54,23 +52,11 @@ def gguf_of(kind: str, bindir: Path) -> Path:
 
 
 def start_llama(bindir: Path, gguf: Path, parallel: int, ctx_per_slot: int) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [str(bindir / "llama-server"), "-m", str(gguf), "--port", str(port), "-np", str(parallel),
            "-c", str(parallel * ctx_per_slot), "-t", str(THREADS), "-tb", str(THREADS), "--log-disable"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"llama-server did not start: {' '.join(cmd)}")
+    return wait_healthy(proc, port, f"llama-server ({' '.join(cmd)})")
 
 
 def long_prompt(words: int = 760, seed: int = 7) -> str:

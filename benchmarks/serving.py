@@ -37,17 +37,14 @@ def workload(n: int, seed: int, prompt_words: tuple[int, int], max_tokens: tuple
             for _ in range(n)]  # fmt: skip
 
 
-def start_server(variant: str, dtype: str, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ)
-    if variant != "default":
-        key, _, value = variant.partition("=")
-        env[key] = value
-    cmd = [sys.executable, "-m", "kvpage.cli", "serve", "--port", str(port), "--dtype", dtype, "--log-level", "warning"]
-    cmd += list(extra)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, what: str) -> tuple[subprocess.Popen, str]:
+    """Poll /health until the server answers 200 (2 minutes at most); kill it and raise otherwise."""
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -55,9 +52,22 @@ def start_server(variant: str, dtype: str, extra: tuple[str, ...] = ()) -> tuple
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
-            time.sleep(0.2)
+            pass
+        time.sleep(0.2)
     proc.kill()
-    raise RuntimeError(f"the server did not start: {proc.stdout.read() if proc.stdout else ''}")
+    raise RuntimeError(f"{what} did not start: {proc.stdout.read() if proc.stdout else ''}")
+
+
+def start_server(variant: str, dtype: str, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = dict(os.environ)
+    if variant != "default":
+        key, _, value = variant.partition("=")
+        env[key] = value
+    cmd = [sys.executable, "-m", "kvpage.cli", "serve", "--port", str(port), "--dtype", dtype, "--log-level", "warning"]
+    cmd += list(extra)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return wait_healthy(proc, port, "kvpage serve")
 
 
 def make_client(url: str):

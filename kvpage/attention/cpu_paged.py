@@ -14,9 +14,7 @@ import torch
 
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.attention.torch_ref import TorchReferenceBackend
-from kvpage.ops import load
-
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # others (float16) take the reference path
+from kvpage.ops import KERNEL_DTYPES, load, unavailable_reason
 
 
 class CpuPagedBackend(TorchReferenceBackend):
@@ -25,19 +23,17 @@ class CpuPagedBackend(TorchReferenceBackend):
     def __init__(self) -> None:
         super().__init__()
         if not load():
-            from kvpage.ops import unavailable_reason
-
             raise RuntimeError(f"the 'cpu' attention backend needs kvpage's CPU kernels: {unavailable_reason()}")
         self._decode = torch.ops.kvpage.paged_decode_attention
         self._write = torch.ops.kvpage.write_kv
 
     def write(self, k, v, k_cache, v_cache, slots) -> None:
-        if k_cache.dtype not in _KERNEL_DTYPES:
+        if k_cache.dtype not in KERNEL_DTYPES:
             return super().write(k, v, k_cache, v_cache, slots)
         self._write(k, v, k_cache, v_cache, slots)
 
     def decodes(self, out, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> None:
-        if k_cache.dtype not in _KERNEL_DTYPES:
+        if k_cache.dtype not in KERNEL_DTYPES:
             return super().decodes(out, q, k_cache, v_cache, meta, scale)
         n = meta.num_decodes
         self._decode(out[:n], q[:n], k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpage.models.weight_quant import QuantizedWeight
+from kvpage.ops import KERNEL_DTYPES
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -70,23 +71,22 @@ class TorchLayerOps:
 
 class KernelLayerOps(TorchLayerOps):
     name = "cpu"
-    _DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self) -> None:
         self._k = torch.ops.kvpage
 
     def rms_norm(self, x, weight, eps):
-        if x.dtype not in self._DTYPES:
+        if x.dtype not in KERNEL_DTYPES:
             return super().rms_norm(x, weight, eps)
         return self._k.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x, delta, weight, eps):
-        if x.dtype not in self._DTYPES:
+        if x.dtype not in KERNEL_DTYPES:
             return super().add_rms_norm(x, delta, weight, eps)
         return x, self._k.add_rms_norm(x, delta, weight, eps)  # x += delta in place
 
     def qkv_rope(self, qkv, cos, sin, heads, kv_heads, head_dim):
-        if qkv.dtype not in self._DTYPES:
+        if qkv.dtype not in KERNEL_DTYPES:
             return super().qkv_rope(qkv, cos, sin, heads, kv_heads, head_dim)
         self._k.rope_(qkv, cos, sin, heads + kv_heads, head_dim)
         q_size, kv_size = heads * head_dim, kv_heads * head_dim
@@ -96,13 +96,13 @@ class KernelLayerOps(TorchLayerOps):
         return q, k, v
 
     def silu_mul(self, gate_up):
-        if gate_up.dtype not in self._DTYPES:
+        if gate_up.dtype not in KERNEL_DTYPES:
             return super().silu_mul(gate_up)
         return self._k.silu_mul(gate_up)
 
     def linear(self, x, weight, bias=None):
         if isinstance(weight, QuantizedWeight):
-            if x.dtype not in self._DTYPES:
+            if x.dtype not in KERNEL_DTYPES:
                 return super().linear(x, weight, bias)
             if x.dtype == torch.float32 and x.shape[0] > F32_KERNEL_MAX_ROWS:  # compute-bound: torch's GEMM
                 w = self._k.dequantize_weight(weight.q, weight.scales, weight.mins, weight.bits)
@@ -112,5 +112,5 @@ class KernelLayerOps(TorchLayerOps):
         rows = x.shape[0]
         ours = x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and rows <= F32_KERNEL_MAX_ROWS)
         if ours and rows > 0 and weight.dtype == x.dtype and x.stride(-1) == 1:
-            return self._k.linear_small(x, weight, bias)
+            return self._k.linear_rows(x, weight, bias)
         return F.linear(x, weight, bias)

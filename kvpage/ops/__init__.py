@@ -1,5 +1,5 @@
 """Compiled CPU kernels (torch.ops.kvpage.*), built on first use; see kvpage/ops/build.py."""
 
-from kvpage.ops.build import load, unavailable_reason
+from kvpage.ops.build import KERNEL_DTYPES, load, unavailable_reason
 
-__all__ = ["load", "unavailable_reason"]
+__all__ = ["KERNEL_DTYPES", "load", "unavailable_reason"]

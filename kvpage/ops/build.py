@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels compute; other dtypes take the torch path
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "ok": bool, "why": str
 
@@ -64,10 +65,9 @@ def _compile(cxx: str, out: Path) -> None:
     cmd = [cxx, *_FLAGS]
     cmd += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_EXTENSION_NAME=kvpage_cpu_ops"]
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
-    cmd += [f"-I{sysconfig.get_paths()['include']}", str(_SOURCE), "-o", str(out)]
-    cmd += [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd[cmd.index(str(out))] = str(tmp)
+    cmd += [f"-I{sysconfig.get_paths()['include']}", str(_SOURCE), "-o", str(tmp)]
+    cmd += [f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{cxx} failed:\n{proc.stderr[-2000:]}")

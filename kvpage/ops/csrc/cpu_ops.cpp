@@ -109,6 +109,18 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// Runs f(T{}) with T the C++ type of a float32 or bfloat16 tensor; any other dtype is an error naming `op`.
+template <typename F>
+void dispatch_float(at::ScalarType t, const char* op, F&& f) {
+  if (t == at::kFloat) {
+    f(float{});
+  } else if (t == at::kBFloat16) {
+    f(c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, op, ": float32 or bfloat16 only, got ", t);
+  }
+}
+
 void check_cache(const Tensor& cache, const Tensor& other, const char* what) {
   TORCH_CHECK(cache.dim() == 4 && cache.is_contiguous(), what, " must be a contiguous [blocks, kv_heads, block_size, head_dim] tensor");
   TORCH_CHECK(cache.sizes() == other.sizes() && cache.scalar_type() == other.scalar_type(), "k_cache and v_cache differ");
@@ -255,13 +267,7 @@ void paged_decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache
   const int64_t* lp = seq_lens.data_ptr<int64_t>();
   for (int64_t s = 0; s < q.size(0); ++s)
     TORCH_CHECK(lp[s] > 0 && lp[s] <= block_tables.size(1) * k_cache.size(2), "sequence ", s, " length ", lp[s], " exceeds its block table");
-  if (q.scalar_type() == at::kFloat) {
-    decode_impl<float>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    decode_impl<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, scale);
-  } else {
-    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only, got ", q.scalar_type());
-  }
+  dispatch_float(q.scalar_type(), "paged_decode_attention", [&](auto tag) { decode_impl<decltype(tag)>(out, q, k_cache, v_cache, block_tables, seq_lens, scale); });
 }
 
 // --- K/V write: k, v [T, KVH, D] (rows may be strided) -> cache slot s = block * B + offset ----
@@ -291,13 +297,7 @@ void write_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_ma
   TORCH_CHECK(k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(3), "k does not match the cache");
   TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type(), "k, v and the cache must share a dtype");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == k.size(0), "slot_mapping must be int64, one per token");
-  if (k.scalar_type() == at::kFloat) {
-    write_impl<float>(k, v, k_cache, v_cache, slot_mapping);
-  } else if (k.scalar_type() == at::kBFloat16) {
-    write_impl<c10::BFloat16>(k, v, k_cache, v_cache, slot_mapping);
-  } else {
-    TORCH_CHECK(false, "write_kv: float32 or bfloat16 only");
-  }
+  dispatch_float(k.scalar_type(), "write_kv", [&](auto tag) { write_impl<decltype(tag)>(k, v, k_cache, v_cache, slot_mapping); });
 }
 
 // --- the small per-layer ops, fused; rows in parallel ------------------------------------------
@@ -340,13 +340,7 @@ Tensor rms_norm_common(Tensor x, const Tensor* delta, Tensor weight, double eps)
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight and x dtypes differ");
   if (delta) TORCH_CHECK(delta->sizes() == x.sizes() && delta->stride(1) == 1 && delta->scalar_type() == x.scalar_type(), "add_rms_norm: delta must match x");
   Tensor out = at::empty_like(x, at::MemoryFormat::Contiguous);
-  if (x.scalar_type() == at::kFloat) {
-    rms_impl<float>(x, delta, weight, out, eps);
-  } else if (x.scalar_type() == at::kBFloat16) {
-    rms_impl<c10::BFloat16>(x, delta, weight, out, eps);
-  } else {
-    TORCH_CHECK(false, "rms_norm: float32 or bfloat16 only");
-  }
+  dispatch_float(x.scalar_type(), "rms_norm", [&](auto tag) { rms_impl<decltype(tag)>(x, delta, weight, out, eps); });
   return out;
 }
 
@@ -384,13 +378,7 @@ void rope_(Tensor qkv, Tensor cos, Tensor sin, int64_t heads, int64_t head_dim) 
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= heads * head_dim && head_dim % 2 == 0, "rope_: qkv [tokens, width] with room for the heads");
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == qkv.size(0) && cos.size(1) == head_dim && cos.stride(1) == 1 && sin.stride(1) == 1, "rope_: cos/sin [tokens, head_dim]");
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "rope_: dtypes differ");
-  if (qkv.scalar_type() == at::kFloat) {
-    rope_impl<float>(qkv, cos, sin, heads, head_dim);
-  } else if (qkv.scalar_type() == at::kBFloat16) {
-    rope_impl<c10::BFloat16>(qkv, cos, sin, heads, head_dim);
-  } else {
-    TORCH_CHECK(false, "rope_: float32 or bfloat16 only");
-  }
+  dispatch_float(qkv.scalar_type(), "rope_", [&](auto tag) { rope_impl<decltype(tag)>(qkv, cos, sin, heads, head_dim); });
 }
 
 // [T, 2I] (gate | up) -> [T, I]: silu(gate) * up, silu rounded to the dtype first as torch's would be.
@@ -414,13 +402,7 @@ void silu_impl(const Tensor& gu, Tensor& out) {
 Tensor silu_mul(Tensor gate_up) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0, "silu_mul: [tokens, 2 * intermediate]");
   Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-  if (gate_up.scalar_type() == at::kFloat) {
-    silu_impl<float>(gate_up, out);
-  } else if (gate_up.scalar_type() == at::kBFloat16) {
-    silu_impl<c10::BFloat16>(gate_up, out);
-  } else {
-    TORCH_CHECK(false, "silu_mul: float32 or bfloat16 only");
-  }
+  dispatch_float(gate_up.scalar_type(), "silu_mul", [&](auto tag) { silu_impl<decltype(tag)>(gate_up, out); });
   return out;
 }
 
@@ -475,78 +457,88 @@ template <int MM, typename T>
 void rows_avx2(const float* xf, int64_t K, const T* w, int64_t ws, int64_t b, int64_t e, float* out, int64_t ostride) {
   if constexpr (MM == 1) {
     for (int64_t n = b; n < e; ++n) out[n - b] = row_dot(xf, K, w + n * ws);
-    return;
+  } else {
+    constexpr int R = MM <= 2 ? 4 : 2;
+    int64_t n = b;
+    for (; n + R <= e; n += R) tile<R, MM>(xf, K, w + n * ws, ws, out + (n - b), ostride);
+    for (; n < e; ++n) tile<1, MM>(xf, K, w + n * ws, ws, out + (n - b), ostride);
   }
-  constexpr int R = MM <= 2 ? 4 : 2;
-  int64_t n = b;
-  for (; n + R <= e; n += R) tile<R, MM>(xf, K, w + n * ws, ws, out + (n - b), ostride);
-  for (; n < e; ++n) tile<1, MM>(xf, K, w + n * ws, ws, out + (n - b), ostride);
 }
 #endif
 
+// Rows of x (any dtype) widened to float32, one after the other: [M, K].
 template <typename T>
-void linear_small_impl(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y) {
+std::vector<float> widen_rows(const T* x, int64_t M, int64_t K, int64_t stride) {
+  std::vector<float> xf(M * K);
+  for (int64_t m = 0; m < M; ++m) to_float(x + m * stride, xf.data() + m * K, K);
+  return xf;
+}
+
+// out[m * ostride + (n - n0)] = x_m . w_n for the M float32 rows of xf and the rows n in [n0, n1) of w.
+// 64 rows of w at a time stay in L2 while every group of up to 4 rows of x passes over them.
+template <typename T>
+void rows_times_x(const float* xf, int64_t M, int64_t K, const T* w, int64_t ws, int64_t n0, int64_t n1, float* out,
+                  int64_t ostride) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (K % 8 == 0) {
+    for (int64_t nb = n0; nb < n1; nb += 64) {
+      const int64_t ne = std::min(n1, nb + 64);
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const float* xm = xf + m0 * K;
+        float* om = out + m0 * ostride + (nb - n0);
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 1: rows_avx2<1>(xm, K, w, ws, nb, ne, om, ostride); break;
+          case 2: rows_avx2<2>(xm, K, w, ws, nb, ne, om, ostride); break;
+          case 3: rows_avx2<3>(xm, K, w, ws, nb, ne, om, ostride); break;
+          default: rows_avx2<4>(xm, K, w, ws, nb, ne, om, ostride); break;
+        }
+      }
+    }
+    return;
+  }
+#endif
+  std::vector<float> row(K);
+  for (int64_t n = n0; n < n1; ++n) {
+    to_float(w + n * ws, row.data(), K);
+    for (int64_t m = 0; m < M; ++m) out[m * ostride + (n - n0)] = dot(xf + m * K, row.data(), K);
+  }
+}
+
+// y[m, n0:n1] = out[m] (+ bias[n0:n1]), out holding M rows of n1 - n0 float32 sums.
+template <typename B, typename T>
+void store_rows(float* out, int64_t M, int64_t n0, int64_t n1, const B* bias, T* y, int64_t N) {
+  const int64_t cols = n1 - n0;
+  for (int64_t m = 0; m < M; ++m) {
+    float* om = out + m * cols;
+    if (bias)
+      for (int64_t n = n0; n < n1; ++n) om[n - n0] += static_cast<float>(bias[n]);
+    from_float(om, y + m * N + n0, cols);
+  }
+}
+
+template <typename T>
+void linear_rows_impl(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const T* xp = x.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   const T* bp = bias.defined() ? bias.data_ptr<T>() : nullptr;
   T* yp = y.data_ptr<T>();
-  const int64_t xs = x.stride(0), ws = w.stride(0);
-  std::vector<float> xf(M * K);
-  for (int64_t m = 0; m < M; ++m) to_float(xp + m * xs, xf.data() + m * K, K);
+  const std::vector<float> xf = widen_rows(x.data_ptr<T>(), M, K, x.stride(0));
   at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
-    const int64_t cols = e - b;
-    std::vector<float> row(K), out(M * cols);
-    bool done = false;
-#if defined(__AVX2__) && defined(__FMA__)
-    if (K % 8 == 0) {
-      // 64 rows of w at a time stay in L2 while every group of up to 4 rows of x passes over them
-      for (int64_t nb = b; nb < e; nb += 64) {
-        const int64_t ne = std::min(e, nb + 64);
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-          const float* xm = xf.data() + m0 * K;
-          float* om = out.data() + m0 * cols + (nb - b);
-          switch (std::min<int64_t>(4, M - m0)) {
-            case 1: rows_avx2<1>(xm, K, wp, ws, nb, ne, om, cols); break;
-            case 2: rows_avx2<2>(xm, K, wp, ws, nb, ne, om, cols); break;
-            case 3: rows_avx2<3>(xm, K, wp, ws, nb, ne, om, cols); break;
-            default: rows_avx2<4>(xm, K, wp, ws, nb, ne, om, cols); break;
-          }
-        }
-      }
-      done = true;
-    }
-#endif
-    if (!done) {
-      for (int64_t n = b; n < e; ++n) {
-        to_float(wp + n * ws, row.data(), K);
-        for (int64_t m = 0; m < M; ++m) out[m * cols + (n - b)] = dot(xf.data() + m * K, row.data(), K);
-      }
-    }
-    for (int64_t m = 0; m < M; ++m) {
-      float* om = out.data() + m * cols;
-      if (bp)
-        for (int64_t n = b; n < e; ++n) om[n - b] += static_cast<float>(bp[n]);
-      from_float(om, yp + m * N + b, cols);
-    }
+    std::vector<float> out(M * (e - b));
+    rows_times_x(xf.data(), M, K, wp, w.stride(0), b, e, out.data(), e - b);
+    store_rows(out.data(), M, b, e, bp, yp, N);
   });
 }
 
-Tensor linear_small(Tensor x, Tensor w, std::optional<Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear_small: x [rows, in] with contiguous rows");
-  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && w.size(1) == x.size(1), "linear_small: w [out, in] with contiguous rows");
-  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "linear_small: x and w dtypes differ");
+Tensor linear_rows(Tensor x, Tensor w, std::optional<Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear_rows: x [rows, in] with contiguous rows");
+  TORCH_CHECK(w.dim() == 2 && w.stride(1) == 1 && w.size(1) == x.size(1), "linear_rows: w [out, in] with contiguous rows");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "linear_rows: x and w dtypes differ");
   Tensor b = bias.has_value() ? *bias : Tensor();
-  if (b.defined()) TORCH_CHECK(b.is_contiguous() && b.numel() == w.size(0) && b.scalar_type() == x.scalar_type(), "linear_small: bias [out]");
+  if (b.defined()) TORCH_CHECK(b.is_contiguous() && b.numel() == w.size(0) && b.scalar_type() == x.scalar_type(), "linear_rows: bias [out]");
   Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
   if (x.size(0) == 0) return y;
-  if (x.scalar_type() == at::kFloat) {
-    linear_small_impl<float>(x, w, b, y);
-  } else if (x.scalar_type() == at::kBFloat16) {
-    linear_small_impl<c10::BFloat16>(x, w, b, y);
-  } else {
-    TORCH_CHECK(false, "linear_small: float32 or bfloat16 only");
-  }
+  dispatch_float(x.scalar_type(), "linear_rows", [&](auto tag) { linear_rows_impl<decltype(tag)>(x, w, b, y); });
   return y;
 }
 
@@ -557,45 +549,53 @@ Tensor linear_small(Tensor x, Tensor w, std::optional<Tensor> bias) {
 // stays in cache, then runs the float32 row kernel over it for every row of x: the weights cross the
 // memory bus at 1 or 0.56 bytes each instead of 4.
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The 32 levels of group g of weight row n as floats (int8: -127..127, int4: 0..15), in registers.
+inline void widen_group(int bits, const uint8_t* q, int64_t K, int64_t n, int64_t g, __m256 lv[4]) {
+  if (bits == 8) {
+    const int8_t* qg = reinterpret_cast<const int8_t*>(q) + n * K + 32 * g;
+    for (int j = 0; j < 4; ++j)
+      lv[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + 8 * j))));
+    return;
+  }
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * (K / 2) + 16 * g));
+  const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+  lv[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  lv[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  lv[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  lv[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+#endif
+
+// Rows [n0, n1) of the weight, widened to float32 into buf ([n1 - n0, K]): d * q (+ min), as the reference.
 inline void dequant_rows(int bits, const uint8_t* q, const float* d, const float* mn, int64_t K, int64_t n0,
                          int64_t n1, float* buf) {
   const int64_t groups = K / 32;
   for (int64_t n = n0; n < n1; ++n) {
-    float* out = buf + (n - n0) * K;
     for (int64_t g = 0; g < groups; ++g) {
-      const float dg = d[n * groups + g];
-      float* o = out + 32 * g;
+      const float dg = d[n * groups + g], mg = bits == 4 ? mn[n * groups + g] : 0.f;
+      float* o = buf + (n - n0) * K + 32 * g;
+#if defined(__AVX2__) && defined(__FMA__)
+      __m256 lv[4];
+      widen_group(bits, q, K, n, g, lv);
+      const __m256 dv = _mm256_set1_ps(dg), mv = _mm256_set1_ps(mg);
+      for (int j = 0; j < 4; ++j) {
+        const __m256 w = _mm256_mul_ps(dv, lv[j]);
+        _mm256_storeu_ps(o + 8 * j, bits == 4 ? _mm256_add_ps(w, mv) : w);
+      }
+#else
       if (bits == 8) {
         const int8_t* qg = reinterpret_cast<const int8_t*>(q) + n * K + 32 * g;
-#if defined(__AVX2__) && defined(__FMA__)
-        const __m256 dv = _mm256_set1_ps(dg);
-        for (int j = 0; j < 32; j += 8) {
-          const __m128i b8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + j));
-          _mm256_storeu_ps(o + j, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8))));
-        }
-#else
         for (int j = 0; j < 32; ++j) o[j] = dg * static_cast<float>(qg[j]);
-#endif
       } else {
         const uint8_t* qg = q + n * (K / 2) + 16 * g;
-        const float mg = mn[n * groups + g];
-#if defined(__AVX2__) && defined(__FMA__)
-        const __m256 dv = _mm256_set1_ps(dg), mv = _mm256_set1_ps(mg);
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg));
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-        for (int j = 0; j < 4; ++j) {
-          const __m256 lv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j]));
-          _mm256_storeu_ps(o + 8 * j, _mm256_add_ps(_mm256_mul_ps(dv, lv), mv));  // d * q + min, as the reference
-        }
-#else
         for (int j = 0; j < 16; ++j) {
           o[j] = dg * static_cast<float>(qg[j] & 0x0F) + mg;
           o[j + 16] = dg * static_cast<float>(qg[j] >> 4) + mg;
         }
-#endif
       }
+#endif
     }
   }
 }
@@ -617,33 +617,22 @@ Tensor dequantize_weight(Tensor q, Tensor scales, std::optional<Tensor> mins, in
   return w;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
 // The few-rows path without the float32 buffer: each group's levels are widened in registers and
 // multiplied with x there; the scale is applied once per group, and int4's min through the group
-// sums of x (sum_j x_j (d q_j + min) = d sum_j x_j q_j + min sum_j x_j).
+// sums of x (sum_j x_j (d q_j + min) = d sum_j x_j q_j + min sum_j x_j). False where it does not
+// apply (more than 4 rows, or no AVX2): the caller widens into a buffer instead.
+#if defined(__AVX2__) && defined(__FMA__)
 template <int MM>
 void rows_quant_avx2(int bits, const float* xf, const float* xsum, int64_t K, const uint8_t* q, const float* d,
                      const float* mn, int64_t b, int64_t e, float* out, int64_t ostride) {
   const int64_t groups = K / 32;
-  const __m128i mask = _mm_set1_epi8(0x0F);
   for (int64_t n = b; n < e; ++n) {
     __m256 acc[MM];
     float minterm[MM];
     for (int m = 0; m < MM; ++m) acc[m] = _mm256_setzero_ps(), minterm[m] = 0.f;
     for (int64_t g = 0; g < groups; ++g) {
       __m256 lv[4];
-      if (bits == 8) {
-        const int8_t* qg = reinterpret_cast<const int8_t*>(q) + n * K + 32 * g;
-        for (int j = 0; j < 4; ++j)
-          lv[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + 8 * j))));
-      } else {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * (K / 2) + 16 * g));
-        const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-        lv[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        lv[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-        lv[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        lv[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-      }
+      widen_group(bits, q, K, n, g, lv);
       const __m256 dv = _mm256_set1_ps(d[n * groups + g]);
       for (int m = 0; m < MM; ++m) {
         const float* xg = xf + m * K + 32 * g;
@@ -660,62 +649,46 @@ void rows_quant_avx2(int bits, const float* xf, const float* xsum, int64_t K, co
 }
 #endif
 
+inline bool few_rows_quant(int bits, int64_t M, const float* xf, const float* xsum, int64_t K, const uint8_t* q,
+                           const float* d, const float* mn, int64_t b, int64_t e, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  switch (M) {
+    case 1: rows_quant_avx2<1>(bits, xf, xsum, K, q, d, mn, b, e, out, e - b); return true;
+    case 2: rows_quant_avx2<2>(bits, xf, xsum, K, q, d, mn, b, e, out, e - b); return true;
+    case 3: rows_quant_avx2<3>(bits, xf, xsum, K, q, d, mn, b, e, out, e - b); return true;
+    case 4: rows_quant_avx2<4>(bits, xf, xsum, K, q, d, mn, b, e, out, e - b); return true;
+    default: return false;
+  }
+#else
+  return false;
+#endif
+}
+
 template <typename T>
 void linear_quant_impl(const Tensor& x, int bits, const Tensor& q, const Tensor& d, const Tensor& mn,
                        const Tensor& bias, Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = d.size(0);
-  const T* xp = x.data_ptr<T>();
   const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
   const float* dp = d.data_ptr<float>();
   const float* mp = mn.defined() ? mn.data_ptr<float>() : nullptr;
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   T* yp = y.data_ptr<T>();
-  std::vector<float> xf(M * K), xsum(M * (K / 32), 0.f);
-  for (int64_t m = 0; m < M; ++m) to_float(xp + m * x.stride(0), xf.data() + m * K, K);
+  const std::vector<float> xf = widen_rows(x.data_ptr<T>(), M, K, x.stride(0));
+  std::vector<float> xsum(M * (K / 32), 0.f);
   for (int64_t i = 0; i < M * K; ++i) xsum[i / 32] += xf[i];  // rows are K = 32 * groups long
   constexpr int64_t kRows = 16;
   at::parallel_for(0, N, kRows, [&](int64_t b, int64_t e) {
     const int64_t cols = e - b;
-    std::vector<float> buf, out(M * cols);
-#if defined(__AVX2__) && defined(__FMA__)
-    if (M <= 4) {  // few rows: memory- and widening-bound, widen in registers only
-      float* o = out.data();
-      switch (M) {
-        case 1: rows_quant_avx2<1>(bits, xf.data(), xsum.data(), K, qp, dp, mp, b, e, o, cols); break;
-        case 2: rows_quant_avx2<2>(bits, xf.data(), xsum.data(), K, qp, dp, mp, b, e, o, cols); break;
-        case 3: rows_quant_avx2<3>(bits, xf.data(), xsum.data(), K, qp, dp, mp, b, e, o, cols); break;
-        default: rows_quant_avx2<4>(bits, xf.data(), xsum.data(), K, qp, dp, mp, b, e, o, cols); break;
-      }
-    } else
-#endif
-    {
-    buf.resize(kRows * K);
-    for (int64_t nb = b; nb < e; nb += kRows) {
-      const int64_t ne = std::min(e, nb + kRows);
-      dequant_rows(bits, qp, dp, mp, K, nb, ne, buf.data());
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const float* xm = xf.data() + m0 * K;
-        float* om = out.data() + m0 * cols + (nb - b);
-#if defined(__AVX2__) && defined(__FMA__)
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 1: rows_avx2<1>(xm, K, buf.data(), K, 0, ne - nb, om, cols); break;
-          case 2: rows_avx2<2>(xm, K, buf.data(), K, 0, ne - nb, om, cols); break;
-          case 3: rows_avx2<3>(xm, K, buf.data(), K, 0, ne - nb, om, cols); break;
-          default: rows_avx2<4>(xm, K, buf.data(), K, 0, ne - nb, om, cols); break;
-        }
-#else
-        for (int64_t mm = 0; mm < std::min<int64_t>(4, M - m0); ++mm)
-          for (int64_t n = nb; n < ne; ++n) om[mm * cols + (n - nb)] = dot(xm + mm * K, buf.data() + (n - nb) * K, K);
-#endif
+    std::vector<float> out(M * cols);
+    if (!few_rows_quant(bits, M, xf.data(), xsum.data(), K, qp, dp, mp, b, e, out.data())) {
+      std::vector<float> buf(kRows * K);  // 16 rows widened at a time, still in cache when x passes
+      for (int64_t nb = b; nb < e; nb += kRows) {
+        const int64_t ne = std::min(e, nb + kRows);
+        dequant_rows(bits, qp, dp, mp, K, nb, ne, buf.data());
+        rows_times_x(xf.data(), M, K, buf.data(), K, 0, ne - nb, out.data() + (nb - b), cols);
       }
     }
-    }
-    for (int64_t m = 0; m < M; ++m) {
-      float* om = out.data() + m * cols;
-      if (bp)
-        for (int64_t n = b; n < e; ++n) om[n - b] += bp[n];
-      from_float(om, yp + m * N + b, cols);
-    }
+    store_rows(out.data(), M, b, e, bp, yp, N);
   });
 }
 
@@ -732,13 +705,7 @@ Tensor linear_quant(Tensor x, Tensor q, Tensor scales, std::optional<Tensor> min
   if (b.defined()) TORCH_CHECK(b.is_contiguous() && b.numel() == N && b.scalar_type() == at::kFloat, "linear_quant: bias float32 [out]");
   Tensor y = at::empty({x.size(0), N}, x.options());
   if (x.size(0) == 0) return y;
-  if (x.scalar_type() == at::kFloat) {
-    linear_quant_impl<float>(x, static_cast<int>(bits), q, scales, mn, b, y);
-  } else if (x.scalar_type() == at::kBFloat16) {
-    linear_quant_impl<c10::BFloat16>(x, static_cast<int>(bits), q, scales, mn, b, y);
-  } else {
-    TORCH_CHECK(false, "linear_quant: float32 or bfloat16 activations only");
-  }
+  dispatch_float(x.scalar_type(), "linear_quant", [&](auto tag) { linear_quant_impl<decltype(tag)>(x, static_cast<int>(bits), q, scales, mn, b, y); });
   return y;
 }
 
@@ -751,7 +718,7 @@ TORCH_LIBRARY(kvpage, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.def("linear_small(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("linear_rows(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_quant(Tensor x, Tensor q, Tensor scales, Tensor? mins, int bits, Tensor? bias) -> Tensor");
   m.def("dequantize_weight(Tensor q, Tensor scales, Tensor? mins, int bits) -> Tensor");
 }
@@ -763,7 +730,7 @@ TORCH_LIBRARY_IMPL(kvpage, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
-  m.impl("linear_small", &linear_small);
+  m.impl("linear_rows", &linear_rows);
   m.impl("linear_quant", &linear_quant);
   m.impl("dequantize_weight", &dequantize_weight);
 }
