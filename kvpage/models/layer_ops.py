@@ -15,9 +15,12 @@ the kernels do not cover (float16).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from kvpage.models.dtype_choice import cpu_flags, cpu_has_native_bf16
 from kvpage.models.weight_quant import QuantizedWeight
 from kvpage.ops import KERNEL_DTYPES
 
@@ -36,11 +39,39 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-# kvpage's linear kernel streams each weight row once for up to 4 rows of x at a time, split over
-# threads. Measured on a 2-core AVX2 CPU (SmolLM2-135M's 120 linears + lm_head): float32 1.8x torch's at
-# 1 row (memory-bound GEMV), 1.2x at 64 rows, 0.7x at 256 (torch's GEMM wins); bfloat16 4-6x torch's at
-# every size (torch has no fast bfloat16 GEMM without native bfloat16).
-F32_KERNEL_MAX_ROWS = 64
+# Up to how many rows of x kvpage's linear kernels beat torch's GEMM depends on the CPU, so the
+# dispatch is a table chosen from its flags. The kernels stream each weight row once for up to 4 rows
+# of x, 8 floats wide (AVX2); the quantized one reads 1 or 0.56 bytes per weight instead of 4 or 2.
+# Measured (SmolLM2-135M's linears and lm_head, 2 cores):
+#   AVX2, no native bf16 (AMD EPYC): float32 1.8x torch at 1 row, 1.2x at 64, 0.7x at 256; bfloat16
+#     4-6x torch at every size (torch emulates bfloat16 there); quantized float32 wins up to 64 rows.
+#   AVX-512 + AMX (Sapphire Rapids): torch's float32 GEMM (16 wide) ties at 1 row (wins 1.3x on the
+#     lm_head) and wins above; torch's bfloat16 GEMM runs on AMX tiles with a ~60-100 us floor per
+#     call: the kernel wins at 1-2 rows (2.5x at 1), torch at 3+ (27x at 256); the quantized kernel
+#     (either dtype) wins up to 16 rows, dequantize + GEMM above.
+UNLIMITED = 1 << 62
+
+
+@dataclass(frozen=True, slots=True)
+class LinearPolicy:
+    """The most rows of x for which the kernels run, per activation dtype; torch's GEMM above."""
+
+    plain: dict[torch.dtype, int]
+    quantized: dict[torch.dtype, int]
+
+    @staticmethod
+    def for_cpu(flags: set[str] | None = None) -> LinearPolicy:
+        flags = cpu_flags() if flags is None else flags
+        avx512, native_bf16 = "avx512f" in flags, cpu_has_native_bf16(flags)
+        return LinearPolicy(
+            plain={torch.float32: 0 if avx512 else 64, torch.bfloat16: 4 if native_bf16 else UNLIMITED},
+            quantized={torch.float32: 16 if avx512 else 64, torch.bfloat16: 16 if native_bf16 else UNLIMITED},
+        )
+
+    @staticmethod
+    def always_kernel() -> LinearPolicy:  # tests of the kernels themselves
+        every = dict.fromkeys(KERNEL_DTYPES, UNLIMITED)
+        return LinearPolicy(plain=every, quantized=dict(every))
 
 
 class TorchLayerOps:
@@ -72,8 +103,9 @@ class TorchLayerOps:
 class KernelLayerOps(TorchLayerOps):
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, policy: LinearPolicy | None = None) -> None:
         self._k = torch.ops.kvpage
+        self.policy = policy or LinearPolicy.for_cpu()
 
     def rms_norm(self, x, weight, eps):
         if x.dtype not in KERNEL_DTYPES:
@@ -101,16 +133,16 @@ class KernelLayerOps(TorchLayerOps):
         return self._k.silu_mul(gate_up)
 
     def linear(self, x, weight, bias=None):
+        rows = x.shape[0]
+        if x.dtype not in KERNEL_DTYPES:
+            return super().linear(x, weight, bias)
         if isinstance(weight, QuantizedWeight):
-            if x.dtype not in KERNEL_DTYPES:
-                return super().linear(x, weight, bias)
-            if x.dtype == torch.float32 and x.shape[0] > F32_KERNEL_MAX_ROWS:  # compute-bound: torch's GEMM
-                w = self._k.dequantize_weight(weight.q, weight.scales, weight.mins, weight.bits)
-                return F.linear(x, w, bias)
+            if rows > self.policy.quantized[x.dtype]:  # compute-bound: torch's GEMM on the widened weight
+                w = self._k.dequantize_weight(weight.q, weight.scales, weight.mins, weight.bits).to(x.dtype)
+                return F.linear(x, w, None if bias is None else bias.to(x.dtype))
             b = None if bias is None else bias.float()
             return self._k.linear_quant(x.contiguous(), weight.q, weight.scales, weight.mins, weight.bits, b)
-        rows = x.shape[0]
-        ours = x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and rows <= F32_KERNEL_MAX_ROWS)
-        if ours and rows > 0 and weight.dtype == x.dtype and x.stride(-1) == 1:
+        ours = 0 < rows <= self.policy.plain[x.dtype]
+        if ours and weight.dtype == x.dtype and x.stride(-1) == 1:
             return self._k.linear_rows(x, weight, bias)
         return F.linear(x, weight, bias)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import hf_greedy
-from tests.worker.driver import assert_pool_clean, greedy_generate, make_runner
+from tests.worker.driver import assert_pool_clean, decode_logits, greedy_generate, make_runner
 
 N = 48
 
@@ -77,8 +77,13 @@ def test_f32_chunked_prefill_identical(smollm2, prompts, hf_f32_greedy):
 # within NEAR_TIE of each other. bfloat16 keeps 8 bits of mantissa, so logits around 16-32 are rounded
 # to steps of 0.125 and a 30-layer model accumulates several such errors; NEAR_TIE = 0.5 allows that
 # much and no more. Nothing after a divergence is compared (the contexts differ from there on).
+# How often the two part says little by itself (both round; which one rounds nearer float32 decides),
+# so the second rule measures that: along the float32 greedy continuation, our bfloat16 decode logits
+# must be no further from float32 than transformers' bfloat16 logits are (mean |difference|, within
+# BF16_ERROR_SLACK; measured on a CPU with AMX: ours 0.107, transformers' 0.122).
 NEAR_TIE = 0.5
 N_BF16 = 16
+BF16_ERROR_SLACK = 1.25
 
 
 def test_bf16_agrees_with_transformers_bf16_or_parts_at_a_near_tie(smollm2, smollm2_bf16, prompts, hf_bf16):
@@ -86,15 +91,30 @@ def test_bf16_agrees_with_transformers_bf16_or_parts_at_a_near_tie(smollm2, smol
     ours = greedy_generate(runner, mgr, prompts, N_BF16).tokens
     assert_pool_clean(mgr)
     f32_runner, f32_mgr = make_runner(smollm2, blocks_for(prompts, N_BF16, 16), 16)
-    identical = 0
     for p, mine in zip(prompts, ours, strict=True):
         theirs, _ = hf_greedy(hf_bf16, p, N_BF16)
         if mine == theirs:
-            identical += 1
             continue
         i = next(j for j in range(N_BF16) if mine[j] != theirs[j])
         ref = greedy_generate(f32_runner, f32_mgr, [p + theirs[:i]], 1).first_logits[0]
         margin = abs(float(ref[mine[i]] - ref[theirs[i]]))
         assert margin < NEAR_TIE, f"bf16 parted from transformers at token {i} with a float32 margin of {margin:.3f}"
-    assert identical >= len(prompts) // 2
     assert_pool_clean(f32_mgr)
+
+
+def test_bf16_is_as_close_to_float32_as_transformers_bf16(
+    smollm2, smollm2_bf16, prompts, hf_f32_greedy, hf_f32, hf_bf16
+):
+    ours_err, theirs_err = [], []
+    for p, (cont, _) in zip(prompts, hf_f32_greedy[:4], strict=False):
+        seq = p + cont[: N_BF16 - 1]
+        with torch.no_grad():
+            ids = torch.tensor([seq])
+            ref = hf_f32(ids).logits[0, len(p) - 1 :].float()
+            theirs = hf_bf16(ids).logits[0, len(p) - 1 :].float()
+        ours = decode_logits(smollm2_bf16, seq, len(p))
+        assert ours.shape == ref.shape
+        ours_err.append(float((ours - ref).abs().mean()))
+        theirs_err.append(float((theirs - ref).abs().mean()))
+    ours_mean, theirs_mean = sum(ours_err) / len(ours_err), sum(theirs_err) / len(theirs_err)
+    assert 0 < ours_mean <= BF16_ERROR_SLACK * theirs_mean, (ours_err, theirs_err)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvpage.config import EngineConfig
-from kvpage.models.layer_ops import KernelLayerOps, TorchLayerOps
+from kvpage.models.layer_ops import UNLIMITED, KernelLayerOps, LinearPolicy, TorchLayerOps
 from kvpage.models.weight_quant import QuantizedWeight, quantize
-from kvpage.ops import load
+from kvpage.ops import KERNEL_DTYPES, load
 
 
 def test_int8_and_int4_errors_are_within_half_a_step():
@@ -49,14 +49,17 @@ def test_quantize_refuses_what_it_cannot_group():
 @pytest.mark.skipif(not load(), reason="no C++ compiler: the kernels cannot be built here")
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [0, 1, 3, 17, 70])  # 70: past the kernel's float32 row limit (dequantize + GEMM)
-def test_kernel_equals_the_reference(bits, dtype, rows):
+@pytest.mark.parametrize("rows", [0, 1, 3, 17, 70])
+@pytest.mark.parametrize("limit", [UNLIMITED, 0])  # the kernel at any row count; dequantize + GEMM always
+def test_kernel_equals_the_reference(bits, dtype, rows, limit):
     g = torch.Generator().manual_seed(rows + bits)
     qw = quantize(torch.randn(75, 64, generator=g), bits)
     assert isinstance(qw, QuantizedWeight)
     x = torch.randn(rows, 64, generator=g).to(dtype)
     bias = torch.randn(75, generator=g).to(dtype)
-    ref, ker = TorchLayerOps(), KernelLayerOps()
+    ref = TorchLayerOps()
+    rows_limit = dict.fromkeys(KERNEL_DTYPES, limit)
+    ker = KernelLayerOps(LinearPolicy(plain=rows_limit, quantized=dict(rows_limit)))
     t = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 2e-2}
     for b in (None, bias):
         out = ker.linear(x, qw, b)

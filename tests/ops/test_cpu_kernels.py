@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpage.models.layer_ops import KernelLayerOps, TorchLayerOps
+from kvpage.models.layer_ops import UNLIMITED, KernelLayerOps, LinearPolicy, TorchLayerOps
 from kvpage.ops import load
 
 pytestmark = pytest.mark.skipif(not load(), reason="no C++ compiler: the kernels cannot be built here")
@@ -19,7 +19,7 @@ def tol(dtype):
 
 @pytest.fixture
 def ops():
-    return TorchLayerOps(), KernelLayerOps()
+    return TorchLayerOps(), KernelLayerOps(LinearPolicy.always_kernel())  # the kernels at any row count
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -71,6 +71,31 @@ def test_linear(ops, dtype, rows, k):
     # a strided view of rows (as the logits' rows picked out of the hidden states)
     wide = torch.randn(rows, 2 * k, generator=g).to(dtype)[:, :k]
     torch.testing.assert_close(ker.linear(wide, w), ref.linear(wide, w), **t)
+
+
+def test_linear_policy_follows_the_cpu():
+    f32, bf16 = torch.float32, torch.bfloat16
+    avx2 = LinearPolicy.for_cpu({"avx2", "fma"})
+    assert avx2.plain == {f32: 64, bf16: UNLIMITED} and avx2.quantized == {f32: 64, bf16: UNLIMITED}
+    avx512 = LinearPolicy.for_cpu({"avx2", "avx512f"})  # torch's float32 GEMM is 16 wide; bf16 still emulated
+    assert avx512.plain == {f32: 0, bf16: UNLIMITED} and avx512.quantized == {f32: 16, bf16: UNLIMITED}
+    amx = LinearPolicy.for_cpu({"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
+    assert amx.plain == {f32: 0, bf16: 4} and amx.quantized == {f32: 16, bf16: 16}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_dispatch_follows_the_policy(dtype):
+    """Rows up to the limit run the kernel, more rows torch's GEMM; both give the reference's values."""
+    ker = KernelLayerOps(LinearPolicy(plain={dtype: 3}, quantized={dtype: 3}))
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 32, generator=g).to(dtype)
+    t = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.25, "rtol": 2e-2}
+    for rows, kernel_calls in ((1, 1), (3, 1), (4, 0), (9, 0)):
+        x = torch.randn(rows, 32, generator=g).to(dtype)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = ker.linear(x, w)
+        assert sum(e.count for e in prof.key_averages() if e.key == "kvpage::linear_rows") == kernel_calls
+        torch.testing.assert_close(out, TorchLayerOps().linear(x, w), **t)
 
 
 def test_kernels_reject_bad_input_by_name():

@@ -98,3 +98,27 @@ def assert_pool_clean(mgr: KVCacheManager) -> None:
     mgr.check_invariants()
     st = mgr.stats()
     assert st.used_blocks == 0 and st.cpu_used_blocks == 0 and st.num_seqs == 0
+
+
+def decode_logits(lm, tokens: list[int], prompt_len: int, block_size: int = 16) -> torch.Tensor:
+    """float32 logits [len(tokens) - prompt_len + 1, vocab]: the prompt's last position from one
+    prefill, then each later token fed alone as a decode step (teacher forcing: the given tokens,
+    not sampled ones), so every decode-path kernel runs."""
+    from kvpage.worker.input_builder import build_inputs
+    from kvpage.worker.kv_cache import KVCache
+
+    num_blocks = -(-len(tokens) // block_size)
+    mgr = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+    kv = KVCache(lm.config, num_blocks, block_size, next(lm.model.parameters()).dtype)
+    out, done = [], 0
+    with torch.inference_mode():
+        while done < len(tokens):
+            new = tokens[done:prompt_len] if done == 0 else tokens[done : done + 1]
+            assert mgr.allocate_slots("s", len(new)) is not None
+            inputs = build_inputs([ScheduledSequence("s", list(new), done, mgr.block_table("s"))], block_size, "cpu")
+            hidden = lm.model(inputs.input_ids, inputs.positions, kv.layers, inputs.meta)
+            out.append(lm.model.compute_logits(hidden[inputs.logits_index]).float()[0])
+            done += len(new)
+    mgr.free("s")
+    assert_pool_clean(mgr)
+    return torch.stack(out)
