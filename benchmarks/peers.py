@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -51,10 +52,13 @@ def gguf_of(kind: str, bindir: Path) -> Path:
     return out
 
 
-def start_llama(bindir: Path, gguf: Path, parallel: int, ctx_per_slot: int) -> tuple[subprocess.Popen, str]:
+def start_llama(
+    bindir: Path, gguf: Path, parallel: int, ctx_per_slot: int, extra: list[str]
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [str(bindir / "llama-server"), "-m", str(gguf), "--port", str(port), "-np", str(parallel),
-           "-c", str(parallel * ctx_per_slot), "-t", str(THREADS), "-tb", str(THREADS), "--log-disable"]  # fmt: skip
+           "-c", str(parallel * ctx_per_slot), "-t", str(THREADS), "-tb", str(THREADS), "--log-disable",
+           *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return wait_healthy(proc, port, f"llama-server ({' '.join(cmd)})")
 
@@ -127,6 +131,7 @@ def main() -> int:
         help="kvpage servers: DTYPE or DTYPE:WEIGHT_DTYPE (default auto auto:int4)",
     )
     ap.add_argument("--llama-types", nargs="+", default=["F32", "Q4_1"])
+    ap.add_argument("--llama-args", default="", help='more llama-server arguments, e.g. "-nr" (no weight repacking)')
     ap.add_argument("--requests", type=int, default=64, help="requests per run at concurrency > 1 (default 64)")
     ap.add_argument("--single-requests", type=int, default=4, help="requests at concurrency 1 (default 4)")
     ap.add_argument("--no-baselines", action="store_true", help="skip the Python API and transformers at c=1")
@@ -135,12 +140,13 @@ def main() -> int:
     bindir = llama_binaries()
     info = (bindir.parent / "BUILD_INFO.txt").read_text().strip() if (bindir.parent / "BUILD_INFO.txt").exists() else ""
     prompt = long_prompt()
+    llama_args = shlex.split(args.llama_args)
     rows, data = [], {}
     for c in args.concurrency:
         n = args.single_requests if c == 1 else args.requests
         reqs = workload(n, seed=100 + c, prompt_words=(24, 380), max_tokens=(32, 256) if c > 1 else (128, 128))
         servers = [(f"kvpage {d}", lambda d=d: start_server("default", *kvpage_args(d))) for d in args.kvpage_dtypes]
-        servers += [(f"llama-server {t}", lambda t=t, c=c: start_llama(bindir, gguf_of(t, bindir), c, 2048))
+        servers += [(f"llama-server {t}", lambda t=t, c=c: start_llama(bindir, gguf_of(t, bindir), c, 2048, llama_args))
                     for t in args.llama_types]  # fmt: skip
         for name, start in servers:
             r = measure_server(start, reqs, c, prompt)
@@ -168,7 +174,8 @@ def main() -> int:
         body = (f"Same seeded requests to each server, one server at a time, streamed through the openai client "
                 f"(greedy, ignore_eos). Concurrency 1: {args.single_requests} requests of 128 tokens; higher: "
                 f"{args.requests} requests, prompts of 24-380 words (~32-512 tokens), outputs 32-256 tokens. "
-                f"llama-server: `-np` = clients, `-t {THREADS}`; {info.splitlines()[0] if info else ''}; "
+                f"llama-server: `-np` = clients, `-t {THREADS}` {args.llama_args}; "
+                f"{info.splitlines()[0] if info else ''}; "
                 f"{' '.join(info.splitlines()[1:2])}.\n\n{table}")  # fmt: skip
         append_results("Side by side with llama.cpp (benchmarks/peers.py)", body, "torch", "transformers", "openai")
     return 0
