@@ -28,10 +28,11 @@ BACKENDS = ["torch", "cpu"]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 4), (8, 1)])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_ragged_batch_of_decodes_and_prefills_matches_dense(heads, kv_heads, block_size, dtype, backend):
-    g = torch.Generator().manual_seed(block_size * 100 + heads)
+@pytest.mark.parametrize("d", [32, 64, 128])  # head sizes of real models (SmolLM2: 64, Llama: 128) and a small one
+def test_ragged_batch_of_decodes_and_prefills_matches_dense(heads, kv_heads, block_size, d, dtype, backend):
+    g = torch.Generator().manual_seed(block_size * 100 + heads + d)
     rng = random.Random(block_size * 100 + heads)
-    d, scale = 32, 32**-0.5
+    scale = d**-0.5
     # (total length, new tokens): 3 decodes of different contexts, a fresh prefill, two chunks with context
     shapes = [(1, 1), (37, 1), (9, 1), (23, 23), (40, 7), (18, 17)]
     num_blocks = sum(math.ceil(n / block_size) for n, _ in shapes) + 3
