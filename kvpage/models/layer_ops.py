@@ -47,8 +47,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 #     4-6x torch at every size (torch emulates bfloat16 there); quantized float32 wins up to 64 rows.
 #   AVX-512 + AMX (Sapphire Rapids): torch's float32 GEMM (16 wide) ties at 1 row (wins 1.3x on the
 #     lm_head) and wins above; torch's bfloat16 GEMM runs on AMX tiles with a ~60-100 us floor per
-#     call: the kernel wins at 1-2 rows (2.5x at 1), torch at 3+ (27x at 256); the quantized kernel
-#     (either dtype) wins up to 16 rows, dequantize + GEMM above.
+#     call: the kernel (VDPBF16PS there) wins at 1-4 rows (2.2-4x at 1), torch from 6 (27x at 256);
+#     the quantized kernel (either dtype) wins up to 16 rows, dequantize + GEMM above.
 UNLIMITED = 1 << 62
 
 

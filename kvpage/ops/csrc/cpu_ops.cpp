@@ -553,10 +553,9 @@ void rows_bf16(const c10::BFloat16* x, int64_t xs, int64_t K, const c10::BFloat1
   for (; n < e; ++n) tile_bf16<1, MM>(x, xs, K, w + n * ws, ws, out + (n - b), ostride);
 }
 
-// out as rows_times_x, for bfloat16 x (M rows, stride xs) and w; false where it does not apply.
-inline bool rows_times_x_bf16(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t K, const c10::BFloat16* w,
+// out as rows_times_x, for bfloat16 x (M rows, stride xs) and w, K a multiple of 32.
+inline void rows_times_x_bf16(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t K, const c10::BFloat16* w,
                               int64_t ws, int64_t n0, int64_t n1, float* out, int64_t ostride) {
-  if (K % 32 != 0) return false;
   for (int64_t m0 = 0; m0 < M; m0 += 4) {
     const c10::BFloat16* xm = x + m0 * xs;
     float* om = out + m0 * ostride;
@@ -567,7 +566,6 @@ inline bool rows_times_x_bf16(const c10::BFloat16* x, int64_t xs, int64_t M, int
       default: rows_bf16<4>(xm, xs, K, w, ws, n0, n1, om, ostride); break;
     }
   }
-  return true;
 }
 #endif
 
