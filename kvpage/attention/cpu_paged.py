@@ -4,8 +4,11 @@ Decodes read K and V in place through the block tables: one task per (sequence, 
 key once for all query heads of its group and keeps an online softmax in float32, so nothing is
 gathered or padded (the reference backend copies every decode's context into a workspace and then
 reads it again). Prefill chunks are compute-bound and stay on torch's fused SDPA (the reference
-path). Chosen by `attention_backend="auto"` on the CPU wherever the kernels build; the reference
-backend remains the fallback, and says so once.
+path), except a short chunk after cached context (the tail of a prompt whose prefix hit the cache,
+or a small chunked-prefill step): each of its queries is attended as a decode whose length stops
+at its own position, in place through the block table, instead of gathering the whole context.
+Chosen by `attention_backend="auto"` on the CPU wherever the kernels build; the reference backend
+remains the fallback, and says so once.
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ import torch
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.attention.torch_ref import TorchReferenceBackend
 from kvpage.ops import KERNEL_DTYPES, load, unavailable_reason
+
+# A chunk of up to this many queries after cached context runs as that many decodes: each reads
+# the context once, where the reference gathers it into a copy first (SDPA wins on long chunks).
+SHORT_CHUNK = 16
 
 
 class CpuPagedBackend(TorchReferenceBackend):
@@ -37,3 +44,12 @@ class CpuPagedBackend(TorchReferenceBackend):
             return super().decodes(out, q, k_cache, v_cache, meta, scale)
         n = meta.num_decodes
         self._decode(out[:n], q[:n], k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+
+    def prefill_chunk(self, out, q, k, v, k_cache, v_cache, meta: AttentionMetadata, i: int, scale: float) -> None:
+        m, n = q.shape[0], meta.seq_lens_list[i]
+        if k_cache.dtype not in KERNEL_DTYPES or m == n or m > SHORT_CHUNK:
+            return super().prefill_chunk(out, q, k, v, k_cache, v_cache, meta, i, scale)
+        # query r sits at position n - m + r and sees the keys 0 .. n - m + r: a decode of that length
+        tables = meta.block_tables[i : i + 1].expand(m, -1)
+        lens = torch.arange(n - m + 1, n + 1, dtype=torch.int64, device=q.device)
+        self._decode(out, q, k_cache, v_cache, tables, lens, scale)

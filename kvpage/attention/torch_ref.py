@@ -64,22 +64,27 @@ class TorchReferenceBackend:
 
     def prefills(self, out, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> None:
         """Each prefill chunk on its own, after the decodes (its K/V already written)."""
-        starts, lens = meta.query_start_loc, meta.seq_lens_list
+        starts = meta.query_start_loc
         for i in range(meta.num_decodes, meta.num_seqs):
-            s, e, n = starts[i], starts[i + 1], lens[i]
-            # 4-D inputs ([1, heads, tokens, d]): torch's fused CPU kernel takes those, and is 3-4x
-            # faster than the generic path that 3-D inputs fall back to.
-            qi = q[s:e].transpose(0, 1)[None]
-            if e - s == n:  # no earlier context: the chunk's own K/V are all the keys
-                ki, vi = k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
-            else:
-                ki = gather_kv(k_cache, meta.block_tables[i], n)[None]
-                vi = gather_kv(v_cache, meta.block_tables[i], n)[None]
-                pos_q = torch.arange(n - (e - s), n, device=q.device)
-                mask = torch.arange(n, device=q.device)[None, :] <= pos_q[:, None]  # [q, n]
-                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
-            out[s:e] = o[0].transpose(0, 1)
+            s, e = starts[i], starts[i + 1]
+            self.prefill_chunk(out[s:e], q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta, i, scale)
+
+    def prefill_chunk(self, out, q, k, v, k_cache, v_cache, meta: AttentionMetadata, i: int, scale: float) -> None:
+        """out = attention of the chunk's queries (sequence i, its last len(q) positions)."""
+        n = meta.seq_lens_list[i]
+        # 4-D inputs ([1, heads, tokens, d]): torch's fused CPU kernel takes those, and is 3-4x
+        # faster than the generic path that 3-D inputs fall back to.
+        qi = q.transpose(0, 1)[None]
+        if q.shape[0] == n:  # no earlier context: the chunk's own K/V are all the keys
+            ki, vi = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            ki = gather_kv(k_cache, meta.block_tables[i], n)[None]
+            vi = gather_kv(v_cache, meta.block_tables[i], n)[None]
+            pos_q = torch.arange(n - q.shape[0], n, device=q.device)
+            mask = torch.arange(n, device=q.device)[None, :] <= pos_q[:, None]  # [q, n]
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+        out.copy_(o[0].transpose(0, 1))
 
     def _gather(self, name: str, cache_head: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """cache_head[blocks] ([num_blocks, bs, d] view of one kv head) into a reused, contiguous buffer."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvpage.attention import AttentionMetadata, get_backend
+from kvpage.ops import load
 
 
 def dense_reference(q, k, v, scale):
@@ -118,3 +119,29 @@ def test_many_decodes_of_different_lengths_are_grouped_correctly(dtype, backend)
         att = torch.einsum("hd,khd->hk", q[i].float(), k) * d**-0.5
         ref = torch.einsum("hk,khd->hd", att.softmax(-1), v)
         torch.testing.assert_close(out[i].float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not load(), reason="no C++ compiler: the kernels cannot be built here")
+@pytest.mark.parametrize("new", [1, 5, 16, 17])
+def test_short_chunks_after_cached_context_run_in_place_as_decodes(new):
+    """The kernel backend attends a chunk of up to 16 queries after cached context through the block
+    table, one decode per query (no gather); a longer chunk or a fresh prompt goes to SDPA."""
+    g = torch.Generator().manual_seed(new)
+    heads, kv_heads, d, bs, n = 6, 2, 64, 4, 30
+    table = list(range(8))[::-1]  # scattered in reverse
+    k_cache = torch.randn(8, kv_heads, bs, d, generator=g)
+    v_cache = torch.randn(8, kv_heads, bs, d, generator=g)
+    q, k, v = (torch.randn(n, h, d, generator=g) for h in (heads, kv_heads, kv_heads))
+    for t in range(n):
+        k_cache[table[t // bs], :, t % bs], v_cache[table[t // bs], :, t % bs] = k[t], v[t]
+    meta = AttentionMetadata.build([new, n], [n, n], [table, table], bs)  # the chunk, then a fresh prompt
+    q_in = torch.cat([q[n - new :], q])
+    k_in, v_in = torch.cat([k[n - new :], k]), torch.cat([v[n - new :], v])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = get_backend("cpu").forward(q_in, k_in, v_in, k_cache, v_cache, meta, d**-0.5)
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("kvpage::paged_decode_attention", 0) == (1 if new <= 16 else 0)
+    assert calls.get("aten::scaled_dot_product_attention", 0) == (1 if new <= 16 else 2)
+    expected = dense_reference(q, k, v, d**-0.5)
+    torch.testing.assert_close(out[:new], expected[n - new :], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[new:], expected, atol=1e-5, rtol=1e-5)
