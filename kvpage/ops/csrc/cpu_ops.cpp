@@ -481,6 +481,20 @@ std::vector<float> widen_rows(const T* x, int64_t M, int64_t K, int64_t stride) 
   return xf;
 }
 
+// f(std::integral_constant<int, MM>{}, m0) for each group of up to 4 rows of x: rows m0 .. m0 + MM - 1
+// (the row kernels are templates on the group's size, which keeps their accumulators in registers).
+template <typename F>
+inline void for_each_row_group(int64_t M, F&& f) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 1: f(std::integral_constant<int, 1>{}, m0); break;
+      case 2: f(std::integral_constant<int, 2>{}, m0); break;
+      case 3: f(std::integral_constant<int, 3>{}, m0); break;
+      default: f(std::integral_constant<int, 4>{}, m0); break;
+    }
+  }
+}
+
 // out[m * ostride + (n - n0)] = x_m . w_n for the M float32 rows of xf and the rows n in [n0, n1) of w.
 // 64 rows of w at a time stay in L2 while every group of up to 4 rows of x passes over them.
 template <typename T>
@@ -490,16 +504,9 @@ void rows_times_x(const float* xf, int64_t M, int64_t K, const T* w, int64_t ws,
   if (K % 8 == 0) {
     for (int64_t nb = n0; nb < n1; nb += 64) {
       const int64_t ne = std::min(n1, nb + 64);
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const float* xm = xf + m0 * K;
-        float* om = out + m0 * ostride + (nb - n0);
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 1: rows_avx2<1>(xm, K, w, ws, nb, ne, om, ostride); break;
-          case 2: rows_avx2<2>(xm, K, w, ws, nb, ne, om, ostride); break;
-          case 3: rows_avx2<3>(xm, K, w, ws, nb, ne, om, ostride); break;
-          default: rows_avx2<4>(xm, K, w, ws, nb, ne, om, ostride); break;
-        }
-      }
+      for_each_row_group(M, [&](auto mm, int64_t m0) {
+        rows_avx2<decltype(mm)::value>(xf + m0 * K, K, w, ws, nb, ne, out + m0 * ostride + (nb - n0), ostride);
+      });
     }
     return;
   }
@@ -522,6 +529,13 @@ void store_rows(float* out, int64_t M, int64_t n0, int64_t n1, const B* bias, T*
     from_float(om, y + m * N + n0, cols);
   }
 }
+
+// Whether x's rows are multiplied as they are, not widened to float32 first: bfloat16 on AVX512_BF16.
+template <typename T>
+inline bool rows_direct(int64_t) { return false; }
+template <typename T>
+inline void rows_times_x_direct(const T*, int64_t, int64_t, int64_t, const T*, int64_t, int64_t, int64_t, float*,
+                                int64_t) {}  // only where rows_direct<T> is true
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // bfloat16 x and w on CPUs with AVX512_BF16: VDPBF16PS multiplies 32 pairs of bfloat16 exactly and adds
@@ -553,19 +567,16 @@ void rows_bf16(const c10::BFloat16* x, int64_t xs, int64_t K, const c10::BFloat1
   for (; n < e; ++n) tile_bf16<1, MM>(x, xs, K, w + n * ws, ws, out + (n - b), ostride);
 }
 
+template <>
+inline bool rows_direct<c10::BFloat16>(int64_t K) { return K % 32 == 0; }
+
 // out as rows_times_x, for bfloat16 x (M rows, stride xs) and w, K a multiple of 32.
-inline void rows_times_x_bf16(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t K, const c10::BFloat16* w,
-                              int64_t ws, int64_t n0, int64_t n1, float* out, int64_t ostride) {
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const c10::BFloat16* xm = x + m0 * xs;
-    float* om = out + m0 * ostride;
-    switch (std::min<int64_t>(4, M - m0)) {
-      case 1: rows_bf16<1>(xm, xs, K, w, ws, n0, n1, om, ostride); break;
-      case 2: rows_bf16<2>(xm, xs, K, w, ws, n0, n1, om, ostride); break;
-      case 3: rows_bf16<3>(xm, xs, K, w, ws, n0, n1, om, ostride); break;
-      default: rows_bf16<4>(xm, xs, K, w, ws, n0, n1, om, ostride); break;
-    }
-  }
+template <>
+inline void rows_times_x_direct(const c10::BFloat16* x, int64_t xs, int64_t M, int64_t K, const c10::BFloat16* w,
+                                int64_t ws, int64_t n0, int64_t n1, float* out, int64_t ostride) {
+  for_each_row_group(M, [&](auto mm, int64_t m0) {
+    rows_bf16<decltype(mm)::value>(x + m0 * xs, xs, K, w, ws, n0, n1, out + m0 * ostride, ostride);
+  });
 }
 #endif
 
@@ -575,22 +586,14 @@ void linear_rows_impl(const Tensor& x, const Tensor& w, const Tensor& bias, Tens
   const T* wp = w.data_ptr<T>();
   const T* bp = bias.defined() ? bias.data_ptr<T>() : nullptr;
   T* yp = y.data_ptr<T>();
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (K % 32 == 0) {
-      at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
-        std::vector<float> out(M * (e - b));
-        rows_times_x_bf16(x.data_ptr<T>(), x.stride(0), M, K, wp, w.stride(0), b, e, out.data(), e - b);
-        store_rows(out.data(), M, b, e, bp, yp, N);
-      });
-      return;
-    }
-  }
-#endif
-  const std::vector<float> xf = widen_rows(x.data_ptr<T>(), M, K, x.stride(0));
+  const bool direct = rows_direct<T>(K);
+  const std::vector<float> xf = direct ? std::vector<float>() : widen_rows(x.data_ptr<T>(), M, K, x.stride(0));
   at::parallel_for(0, N, 64, [&](int64_t b, int64_t e) {
     std::vector<float> out(M * (e - b));
-    rows_times_x(xf.data(), M, K, wp, w.stride(0), b, e, out.data(), e - b);
+    if (direct)
+      rows_times_x_direct(x.data_ptr<T>(), x.stride(0), M, K, wp, w.stride(0), b, e, out.data(), e - b);
+    else
+      rows_times_x(xf.data(), M, K, wp, w.stride(0), b, e, out.data(), e - b);
     store_rows(out.data(), M, b, e, bp, yp, N);
   });
 }
