@@ -147,7 +147,7 @@ def _chat(args) -> int:
         history.append({"role": "user", "content": line})
         rid = f"chat-{turn}"
         turn += 1
-        engine.add_request(rid, tok.apply_chat_template(history), params)
+        engine.add_request(rid, tok.encode_chat(history), params)
         print("assistant> ", end="", flush=True)
         shown, text = 0, ""
         while engine.has_unfinished_requests():
@@ -160,21 +160,34 @@ def _chat(args) -> int:
 
 
 def _serve(args) -> int:
-    import uvicorn
-
     from kvpage.server.app import build_app
+    from kvpage.server.serve import serve
 
-    api_key = args.api_key or os.environ.get("KVPAGE_API_KEY") or None
+    keys = list(args.api_key or [])
+    env_key = os.environ.get("KVPAGE_API_KEY")
+    if env_key is not None:
+        keys.append(env_key)
+    if any(not k for k in keys):
+        raise ValueError("--api-key / KVPAGE_API_KEY must not be empty (leave both unset to serve without a key)")
+    if args.salt_cache_per_key and not keys:
+        raise ValueError("--salt-cache-per-key needs --api-key: without keys every client is the same tenant")
+    if args.max_prompts_per_request < 1:
+        raise ValueError("--max-prompts-per-request must be at least 1")
     llm = _make_llm(args)
-    app = build_app(llm.llm_engine, served_model_name=args.served_model_name or args.model, api_key=api_key,
-                    max_body_bytes=args.max_body_bytes)  # fmt: skip
+    app = build_app(llm.llm_engine, served_model_name=args.served_model_name or args.model, api_key=keys or None,
+                    max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+                    max_prompts_per_request=args.max_prompts_per_request,
+                    salt_cache_per_key=args.salt_cache_per_key)  # fmt: skip
     engine = llm.llm_engine
-    print(f"kvpage serve: {args.model} on http://{args.host}:{args.port} "
-          f"({'API key required' if api_key else 'no API key'}); dtype {engine.dtype_name} "
-          f"({engine.dtype_reason}); {engine.kernels}",
-          flush=True)  # fmt: skip
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    auth = f"{len(keys)} API key(s) required" if keys else "no API key"
+    if args.salt_cache_per_key:
+        auth += ", prefix cache salted per key"
+    print(f"kvpage serve: {args.model} on http://{args.host}:{args.port} ({auth}); dtype {engine.dtype_name} "
+          f"({engine.dtype_reason}); {engine.kernels}", flush=True)  # fmt: skip
+    status = serve(app, host=args.host, port=args.port, log_level=args.log_level)
+    if status:
+        print(f"kvpage serve: error: the engine stopped: {app.fastapi.state.async_engine.error!r}", file=sys.stderr)
+    return status
 
 
 def _bench(args) -> int:
@@ -279,9 +292,18 @@ def build_parser() -> argparse.ArgumentParser:
                        "/v1/chat/completions (streaming too), /health, and Prometheus /metrics.")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or KVPAGE_API_KEY)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every path but /health; repeat for several "
+                   "clients' keys (also KVPAGE_API_KEY); an empty key is refused")  # fmt: skip
+    p.add_argument("--salt-cache-per-key", action="store_true",
+                   help="keep each API key's prefix cache apart, so no client can tell from /metrics or "
+                   "timing what another client's prompts began with")  # fmt: skip
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive, else 408 (default 30)")  # fmt: skip
+    p.add_argument("--max-prompts-per-request", type=int, default=256,
+                   help="most prompts in one /v1/completions request (default 256)")  # fmt: skip
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     _engine_args(p)
     p.set_defaults(func=_serve)

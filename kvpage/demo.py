@@ -41,8 +41,7 @@ def run_demo(model: str = "smollm2", dtype: str = "auto", max_tokens: int = 64) 
           f"{pool.block_size} tokens; dtype {engine.dtype_name} ({engine.dtype_reason}); {engine.kernels}")  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     prompts = [
-        tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
-        for q in QUESTIONS
+        tok.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]) for q in QUESTIONS
     ]
     t1 = time.perf_counter()
     engine.add_request("0", prompts[0], params)

@@ -57,6 +57,7 @@ class _SamplingFields:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # top log-probabilities returned per generated token
     prompt_logprobs: int | None = None  # top log-probabilities returned per prompt token
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling, in [-100, 100]
 
 
 class SamplingParams(_SamplingFields):
@@ -97,6 +98,12 @@ class SamplingParams(_SamplingFields):
             _int(name, value, 0, allow_none=True)
             if value is not None and value > MAX_LOGPROBS:
                 raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a map of token id to bias, got {self.logit_bias!r}")
+            for tok, bias in self.logit_bias.items():
+                _int("logit_bias token id", tok, 0)
+                _float(f"logit_bias[{tok}]", bias, -100.0, 100.0)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -34,6 +34,10 @@ def test_non_finite_length_penalty_is_rejected(value):
         (dict(repetition_penalty=0.0), "repetition_penalty must be > 0.0, got 0.0"),
         (dict(top_p=0.0), r"top_p must be in \(0.0, 1.0\], got 0.0"),
         (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2.0, 2.0\], got 2.5"),
+        (dict(logit_bias={5: 100.5}), r"logit_bias\[5\] must be in \[-100.0, 100.0\], got 100.5"),
+        (dict(logit_bias={-1: 1.0}), r"logit_bias token id must be an integer >= 0, got -1"),
+        (dict(logit_bias={"5": 1.0}), r"logit_bias token id must be an integer >= 0, got '5'"),
+        (dict(logit_bias=[(5, 1.0)]), r"logit_bias must be a map of token id to bias, got \[\(5, 1.0\)\]"),
     ],
 )
 def test_out_of_range_values_name_the_field_and_the_bound(kwargs, message):
@@ -50,6 +54,7 @@ def test_out_of_range_values_name_the_field_and_the_bound(kwargs, message):
         dict(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=1e9),
         dict(logprobs=MAX_LOGPROBS, prompt_logprobs=MAX_LOGPROBS),
         dict(logprobs=0, prompt_logprobs=0),
+        dict(logit_bias={0: -100, 7: 100.0, 9: 0.5}),
     ],
 )
 def test_good_sampling_values_construct(kwargs):

@@ -63,8 +63,12 @@ class LLM:
             raise ValueError("messages must be a conversation (a list of {'role', 'content'} dicts) or a list of them")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         tok = self.llm_engine.tokenizer
-        prompts = [tok.apply_chat_template(list(c), add_generation_prompt) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        # token ids, so that message content never becomes control tokens (see Tokenizer.encode_chat)
+        prompts = [tok.encode_chat(list(c), add_generation_prompt) for c in conversations]
+        outs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, c in zip(outs, conversations, strict=True):
+            out.prompt = tok.apply_chat_template(list(c), add_generation_prompt)
+        return outs
 
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False

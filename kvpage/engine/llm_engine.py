@@ -149,6 +149,9 @@ class LLMEngine:
         bad_stops = [t for t in (getattr(params, "stop_token_ids", None) or ()) if t >= vocab]
         if bad_stops:
             raise ValueError(f"stop_token_ids: token id {bad_stops[0]} is outside the vocabulary [0, {vocab})")
+        bad_bias = [t for t in (getattr(params, "logit_bias", None) or ()) if t >= vocab]
+        if bad_bias:
+            raise ValueError(f"logit_bias: token id {bad_bias[0]} is outside the vocabulary [0, {vocab})")
         want_plp = not is_beam and params.prompt_logprobs is not None
         req = Request(request_id, ids, self._arrivals, cache_salt=cache_salt, use_prefix_cache=not want_plp,
                       want_prompt_logprobs=want_plp, width=width)  # fmt: skip
@@ -187,6 +190,10 @@ class LLMEngine:
         """Stop a request now; its blocks go back to the pool. Unknown ids are ignored."""
         if self._states.pop(request_id, None) is not None:
             self.scheduler.abort_request(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether the request is still running (queued, running or swapped out)."""
+        return request_id in self._states
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
@@ -301,6 +308,7 @@ class LLMEngine:
             banned_token_ids=sorted(st.stop_token_ids) if len(out_ids) < p.min_tokens else [],
             generator=st.seqs[index].generator,
             num_logprobs=p.logprobs,
+            logit_bias=p.logit_bias,
         )
 
     def _beam_step(self, st: RequestState, seq_rows, logits: torch.Tensor, update: RequestUpdate) -> None:

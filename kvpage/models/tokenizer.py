@@ -8,6 +8,8 @@ Face layout, so a converted GGUF loads like any model directory.
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -58,6 +60,8 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
+        self._template = None  # the compiled chat template
+        self._literal: _HFTokenizer | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -80,19 +84,60 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The conversation as the model's chat text (for display; to tokenize it, use `encode_chat`)."""
+        return self._render(messages, add_generation_prompt)
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """The conversation's token ids, where only the template's own markup becomes control tokens:
+        a message containing "<|im_end|>" is tokenized as that text, never as the control token (else
+        a user could open a system turn of their own)."""
+        nonce = secrets.token_hex(8)
+        marked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} for i, m in enumerate(messages)]
+        rendered = self._render(marked, add_generation_prompt)
+        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)
+        contents = [str(m.get("content") or "") for m in messages]
+        if "".join(contents[int(p)] if i % 2 else p for i, p in enumerate(parts)) != self._render(
+            messages, add_generation_prompt
+        ):  # the template transforms content (strips it, say): it cannot be split around it
+            specials = [t for t in self.special_token_texts if any(t in c for c in contents)]
+            if specials:
+                raise ValueError(f"message content must be text; it contains the control token {specials[0]!r}")
+            return self.encode(self._render(messages, add_generation_prompt))
+        ids = [self.bos_token_id] if self.add_bos_token and self.bos_token_id is not None else []
+        for i, part in enumerate(parts):
+            if part:
+                backend = self._literal_backend() if i % 2 else self.backend
+                ids += backend.encode(contents[int(part)] if i % 2 else part, add_special_tokens=False).ids
+        return ids
+
+    @property
+    def special_token_texts(self) -> list[str]:
+        return [t.content for t in self.backend.get_added_tokens_decoder().values() if t.special]
+
+    def _literal_backend(self) -> _HFTokenizer:
+        """A copy of the tokenizer that reads control-token texts as plain text."""
+        if self._literal is None:
+            literal = _HFTokenizer.from_str(self.backend.to_str())
+            literal.encode_special_tokens = True
+            self._literal = literal
+        return self._literal
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        if self._template is None:  # compiled once
+            from jinja2.exceptions import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        def raise_exception(message: str):
-            raise TemplateError(message)
+            def raise_exception(message: str):
+                raise TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(self.chat_template)
         tok = self.backend.id_to_token
-        return env.from_string(self.chat_template).render(
+        return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=tok(self.bos_token_id) if self.bos_token_id is not None else "",

@@ -5,11 +5,16 @@ themselves, so the event loop stays free. Requests that arrive while a step runs
 step: the loop drains its command queue before every step.
 
     handler --add/abort--> command queue --> engine thread: step() --outputs--> per-request asyncio.Queue
+
+Shutting down (`begin_shutdown`, on SIGTERM/SIGINT) refuses new requests and ends every running one
+at once with `EngineUnavailable`; if the engine thread dies, every waiting client gets the error,
+later requests are refused, and `on_death` is called (the server then exits).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
@@ -17,7 +22,14 @@ from dataclasses import dataclass
 
 from kvpage.engine.llm_engine import LLMEngine
 from kvpage.outputs import RequestOutput
-from kvpage.sampling_params import SamplingParams
+from kvpage.sampling_params import BeamSearchParams, SamplingParams
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine takes no more requests: the server is shutting down, or the engine thread died."""
+
+
+log = logging.getLogger("kvpage.server")
 
 
 @dataclass(slots=True)
@@ -27,9 +39,12 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_output=None) -> None:
+    def __init__(self, engine: LLMEngine, on_output=None, on_abort=None) -> None:
         self.engine = engine
         self.on_output = on_output  # called in the engine thread for every output (metrics)
+        self.on_abort = on_abort  # called in the engine thread with the id of every aborted request
+        self.on_death = None  # called in the engine thread if it dies
+        self.closing = False
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
@@ -45,17 +60,32 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=10)
 
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and end the running ones now (their clients get EngineUnavailable).
+        Safe to call from a signal handler or any thread."""
+        self.closing = True
+        for rid in list(self._streams):
+            self._deliver(rid, EngineUnavailable("the server is shutting down"))
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | BeamSearchParams,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come; leaving early (a disconnect) aborts it."""
+        if self.closing:
+            raise EngineUnavailable("the server is shutting down")
+        if not self.alive:
+            raise EngineUnavailable(f"the engine stopped: {self.error!r}")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._commands.put(("add", request_id, prompt, params))
+        self._commands.put(("add", request_id, prompt, params, cache_salt))
         self._wake.set()
         finished = False
         try:
@@ -92,13 +122,15 @@ class AsyncEngine:
                     except queue.Empty:
                         break
                     if cmd[0] == "add":
-                        _, rid, prompt, params = cmd
+                        _, rid, prompt, params, salt = cmd
                         try:
-                            engine.add_request(rid, prompt, params)
+                            engine.add_request(rid, prompt, params, cache_salt=salt)
                         except ValueError as e:
                             self._deliver(rid, e)
-                    else:
+                    elif engine.has_request(cmd[1]):
                         engine.abort_request(cmd[1])
+                        if self.on_abort is not None:
+                            self.on_abort(cmd[1])
                 if not engine.has_unfinished_requests():
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
@@ -110,5 +142,7 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - report to every waiting client, then stop
             self.error = e
             for rid in list(self._streams):
-                self._deliver(rid, RuntimeError(f"the engine stopped: {e!r}"))
-            raise
+                self._deliver(rid, EngineUnavailable(f"the engine stopped: {e!r}"))
+            log.critical("the engine thread died", exc_info=e)
+            if self.on_death is not None:
+                self.on_death()

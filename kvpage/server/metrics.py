@@ -1,65 +1,135 @@
 """Prometheus metrics for `/metrics`, in a registry of the app's own (several apps can coexist).
 
-Gauges and counters are read from the engine when scraped; latency histograms are fed with each
-request output as it leaves the engine.
+Names, units, types and meanings follow vLLM's (`vllm:X` is `kvpage:X` here, with the same
+`model_name` label), so a vLLM dashboard ports by replacing the prefix:
+
+    kvpage:num_requests_running / _waiting       gauges
+    kvpage:kv_cache_usage_perc                    gauge, a fraction: 1 means every block is in use
+    kvpage:prompt_tokens_total / generation_tokens_total / num_preemptions_total
+    kvpage:prefix_cache_queries_total / prefix_cache_hits_total   counters, in prompt tokens
+    kvpage:request_success_total{finished_reason="stop|length|abort|error"}
+    kvpage:time_to_first_token_seconds / inter_token_latency_seconds / e2e_request_latency_seconds
+    kvpage:request_prompt_tokens / request_generation_tokens      histograms, per finished request
+
+kvpage's own, beside them: kvpage:num_requests_swapped, kvpage:kv_cache_blocks{state}, the sharing
+and waste ratios, and kvpage:prefix_cache_hit_rate. Gauges and counters kept by the engine are read
+when scraped; the rest are fed with each request output as it leaves the engine (engine thread).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvpage.engine.llm_engine import LLMEngine
 from kvpage.outputs import RequestOutput
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class _EngineCollector:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=["model_name"])
+        g.add_metric([self.model_name], value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c.add_metric([self.model_name], value)
+        return c
 
     def collect(self):
-        engine, sched = self.engine, self.engine.scheduler
+        engine, sched, model = self.engine, self.engine.scheduler, self.model_name
         st = engine.cache_stats()
-        yield GaugeMetricFamily("kvpage:kv_cache_usage_perc", "KV-cache blocks in use, percent", value=100 * st.usage)
-        blocks = GaugeMetricFamily("kvpage:kv_cache_blocks", "KV-cache blocks by state", labels=["state"])
+        yield self._gauge("kvpage:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent usage", st.usage)
+        blocks = GaugeMetricFamily("kvpage:kv_cache_blocks", "KV-cache blocks by state", labels=["model_name", "state"])
         for state, value in (("used", st.used_blocks), ("free", st.free_blocks), ("cached", st.cached_blocks),
                              ("shared", st.shared_blocks), ("total", st.total_blocks)):  # fmt: skip
-            blocks.add_metric([state], value)
+            blocks.add_metric([model, state], value)
         yield blocks
-        yield GaugeMetricFamily("kvpage:kv_cache_sharing_ratio", "shared / used blocks", value=st.sharing_ratio)
-        yield GaugeMetricFamily("kvpage:kv_cache_waste_ratio", "allocated slots holding no token", value=st.waste)
-        yield GaugeMetricFamily("kvpage:prefix_cache_hit_rate", "prompt tokens served from the prefix cache",
-                                value=st.prefix_hit_rate)  # fmt: skip
-        yield CounterMetricFamily(
-            "kvpage:prefix_cache_queries", "prompt tokens looked up", value=st.prefix_query_tokens
-        )
-        yield CounterMetricFamily("kvpage:prefix_cache_hits", "prompt tokens hit", value=st.prefix_hit_tokens)
+        yield self._gauge("kvpage:kv_cache_sharing_ratio", "shared / used blocks", st.sharing_ratio)
+        yield self._gauge("kvpage:kv_cache_waste_ratio", "allocated slots holding no token", st.waste)
+        yield self._gauge("kvpage:prefix_cache_hit_rate", "prompt tokens served from the prefix cache",
+                          st.prefix_hit_rate)  # fmt: skip
+        yield self._counter("kvpage:prefix_cache_queries", "prefix-cache queries, in prompt tokens",
+                            st.prefix_query_tokens)  # fmt: skip
+        yield self._counter("kvpage:prefix_cache_hits", "prefix-cache hits, in prompt tokens", st.prefix_hit_tokens)
         for name, value in (("running", len(sched.running)), ("waiting", len(sched.waiting)),
                             ("swapped", len(sched.swapped))):  # fmt: skip
-            yield GaugeMetricFamily(f"kvpage:num_requests_{name}", f"requests {name}", value=value)
-        yield CounterMetricFamily("kvpage:num_preemptions", "preemptions", value=sched.num_preemptions)
-        yield CounterMetricFamily("kvpage:prompt_tokens", "prompt tokens received", value=engine.num_prompt_tokens)
-        yield CounterMetricFamily("kvpage:generation_tokens", "tokens generated", value=engine.num_generation_tokens)
+            yield self._gauge(f"kvpage:num_requests_{name}", f"number of requests {name}", value)
+        yield self._counter("kvpage:num_preemptions", "cumulative number of preemptions", sched.num_preemptions)
+        yield self._counter("kvpage:prompt_tokens", "number of prefill tokens processed", engine.num_prompt_tokens)
+        yield self._counter("kvpage:generation_tokens", "number of generation tokens processed",
+                            engine.num_generation_tokens)  # fmt: skip
 
 
 class Metrics:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str = "kvpage") -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
-        self.ttft = Histogram("kvpage:time_to_first_token_seconds", "time to first token",
-                              registry=self.registry, buckets=_LATENCY_BUCKETS)  # fmt: skip
-        self.itl = Histogram("kvpage:inter_token_latency_seconds", "time between tokens of a request",
-                             registry=self.registry, buckets=_LATENCY_BUCKETS)  # fmt: skip
-        self._seen_first: set[str] = set()
+        self.registry.register(_EngineCollector(engine, model_name))
+        label = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, label, registry=self.registry, buckets=buckets).labels(model_name)
+
+        self.ttft = histogram("kvpage:time_to_first_token_seconds", "time to first token", _LATENCY_BUCKETS)
+        self.itl = histogram("kvpage:inter_token_latency_seconds", "time between tokens of a request",
+                             _LATENCY_BUCKETS)  # fmt: skip
+        self.e2e = histogram("kvpage:e2e_request_latency_seconds", "arrival to finish of a request",
+                             _LATENCY_BUCKETS)  # fmt: skip
+        self.prompt_tokens = histogram("kvpage:request_prompt_tokens", "prompt tokens of a finished request",
+                                       _TOKEN_BUCKETS)  # fmt: skip
+        self.generation_tokens = histogram("kvpage:request_generation_tokens",
+                                           "tokens generated by a finished request", _TOKEN_BUCKETS)  # fmt: skip
+        success = Counter("kvpage:request_success", "finished requests by finish reason",
+                          ["model_name", "finished_reason"], registry=self.registry)  # fmt: skip
+        self.success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
+        self._arrival: dict[str, float] = {}  # requests seen and not yet ended, by id: their arrival time
+        self._first_seen: set[str] = set()
+        self._lock = threading.Lock()
 
     def observe(self, out: RequestOutput) -> None:
-        m = out.metrics
-        if m.get("first_token_time") is not None and out.request_id not in self._seen_first:
-            self._seen_first.add(out.request_id)
-            self.ttft.observe(m["first_token_time"] - m["arrival_time"])
-        for gap in m.get("inter_token_latencies") or ():
-            self.itl.observe(gap)
-        if out.finished:
-            self._seen_first.discard(out.request_id)
+        m, rid = out.metrics, out.request_id
+        with self._lock:
+            if m.get("arrival_time") is not None:
+                self._arrival.setdefault(rid, m["arrival_time"])
+            if m.get("first_token_time") is not None and rid not in self._first_seen:
+                self._first_seen.add(rid)
+                self.ttft.observe(m["first_token_time"] - m["arrival_time"])
+            for gap in m.get("inter_token_latencies") or ():
+                self.itl.observe(gap)
+            if not out.finished:
+                return
+            self._forget(rid)
+        reason = "error" if out.error else next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
+        self.success[reason if reason in self.success else "stop"].inc()
+        if m.get("arrival_time") is not None:
+            self.e2e.observe(time.monotonic() - m["arrival_time"])
+        self.prompt_tokens.observe(len(out.prompt_token_ids))
+        self.generation_tokens.observe(sum(len(c.token_ids) for c in out.outputs))
+
+    def aborted(self, request_id: str) -> None:
+        """A request left before it finished (its client went away, or the server is stopping)."""
+        with self._lock:
+            arrival = self._forget(request_id)
+        self.success["abort"].inc()
+        if arrival is not None:
+            self.e2e.observe(time.monotonic() - arrival)
+
+    def _forget(self, request_id: str) -> float | None:
+        self._first_seen.discard(request_id)
+        return self._arrival.pop(request_id, None)
+
+    @property
+    def tracked(self) -> int:
+        """Requests the metrics hold state for (zero when idle: nothing accumulates)."""
+        return len(self._arrival) + len(self._first_seen)

@@ -1,17 +1,43 @@
 """Request bodies of the OpenAI API that kvpage serves, validated by pydantic.
 
 Types are strict where a wrong type would otherwise be coerced silently ("max_tokens": "10" is an
-error, as it is for OpenAI). Fields that OpenAI accepts but kvpage does not act on are ignored.
+error, as it is for OpenAI). Every string must be valid Unicode (a lone surrogate such as "\\ud800"
+is a 400 naming the field). Fields that OpenAI accepts but kvpage does not act on are ignored;
+the README's API section lists both kinds, and vLLM's extensions.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
+
+from kvpage.sampling_params import MAX_LOGPROBS
 
 MAX_N = 16
 Number = StrictInt | StrictFloat
+
+
+def _valid_unicode(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text is not valid Unicode ({e.reason} at index {e.start})") from None
+    return s
+
+
+Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
 
 
 class StreamOptions(BaseModel):
@@ -21,23 +47,32 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: StrictStr
+    model: Text
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     temperature: Number | None = Field(None, ge=0, le=2)
     top_p: Number | None = Field(None, gt=0, le=1)
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Text | list[Text] | None = None
     seed: StrictInt | None = None
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[Text, Number] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    user: StrictStr | None = None
+    user: Text | None = None
     # vLLM's extensions
     top_k: StrictInt | None = Field(None, ge=-1)
     min_p: Number | None = Field(None, ge=0, le=1)
     repetition_penalty: Number | None = Field(None, gt=0)
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = Field(0, ge=0)
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    use_beam_search: StrictBool = False  # n is the beam width
+    length_penalty: Number = 1.0
+    return_token_ids: StrictBool = False
+    cache_salt: Text | None = Field(None, min_length=1)
 
     @field_validator("stop")
     @classmethod
@@ -48,9 +83,29 @@ class _Common(BaseModel):
             raise ValueError("stop sequences must not be empty")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        if v is None:
+            return v
+        out = {}
+        for key, bias in v.items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"bias of token {key} must be in [-100, 100], got {bias}")
+            out[int(key)] = float(bias)
+        return out
+
+    @model_validator(mode="after")
+    def _stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
 
 class CompletionRequest(_Common):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
     max_tokens: StrictInt | None = Field(16, ge=1)
     logprobs: StrictInt | None = Field(None, ge=0, le=5)
     echo: StrictBool = False
@@ -67,7 +122,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: StrictStr | list[dict] | None = None
+    content: Text | list[dict] | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -76,7 +131,7 @@ class ChatMessage(BaseModel):
         for part in self.content:  # [{"type": "text", "text": ...}]
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
+            parts.append(_valid_unicode(part["text"]))
         return "".join(parts)
 
 
@@ -86,3 +141,9 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: only allowed when logprobs is true")
+        return self

@@ -1,7 +1,7 @@
 """The sampler: from a batch of logits to one token per row, with per-row settings.
 
     logits -> log-probabilities (returned, from the raw logits, as vLLM does)
-           -> repetition / presence / frequency penalties -> banned tokens (min_tokens)
+           -> logit bias -> repetition / presence / frequency penalties -> banned tokens (min_tokens)
            -> greedy rows: argmax
            -> others: temperature -> top-k -> top-p -> min-p -> a draw from the row's own generator
 
@@ -31,6 +31,7 @@ class SamplingRow:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     banned_token_ids: list[int] = field(default_factory=list)
+    logit_bias: dict[int, float] | None = None  # added to the logits before penalties and sampling
     generator: torch.Generator | None = None
     num_logprobs: int | None = None  # top-k log-probabilities to return (0: only the sampled token's)
 
@@ -48,6 +49,9 @@ class SampledToken:
 
 
 def _apply_penalties(x: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    if row.logit_bias:
+        ids = torch.tensor(list(row.logit_bias), dtype=torch.int64, device=x.device)
+        x[ids] += torch.tensor(list(row.logit_bias.values()), dtype=x.dtype, device=x.device)
     if row.repetition_penalty != 1.0:
         seen_ids = sorted(set(row.prompt_token_ids) | set(row.output_token_ids))
         seen = torch.tensor(seen_ids, dtype=torch.int64, device=x.device)
@@ -120,7 +124,13 @@ def exponential_noise(
 
 
 def _penalized(row: SamplingRow) -> bool:
-    return bool(row.repetition_penalty != 1.0 or row.presence_penalty or row.frequency_penalty or row.banned_token_ids)
+    return bool(
+        row.repetition_penalty != 1.0
+        or row.presence_penalty
+        or row.frequency_penalty
+        or row.banned_token_ids
+        or row.logit_bias
+    )
 
 
 def _with_logprobs(st: SampledToken, row: SamplingRow, logprobs: torch.Tensor | None) -> SampledToken:

@@ -9,11 +9,12 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpage.config import EngineConfig
 from kvpage.engine.llm_engine import LLMEngine
 from kvpage.server.app import build_app
+from kvpage.server.serve import KvpageServer
 
 
 def _free_port() -> int:
@@ -22,14 +23,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(api_key: str | None = None, **engine_kw):
+def start_server(api_key: str | list[str] | None = None, app_kw: dict | None = None, server_kw: dict | None = None,
+                 **engine_kw):  # fmt: skip
+    """The same server as `kvpage serve` (KvpageServer), in a thread; `app_kw` goes to build_app."""
     engine_kw.setdefault("dtype", "float32")  # greedy text does not depend on the batch (bf16 can, at near-ties)
     engine_kw.setdefault("num_kv_blocks", 256)
     engine_kw.setdefault("max_model_len", 1024)
     engine = LLMEngine(EngineConfig(**engine_kw))
-    app = build_app(engine, served_model_name="smollm2", api_key=api_key, max_body_bytes=64 * 1024)
+    app_kw = {"max_body_bytes": 64 * 1024, **(app_kw or {})}
+    app = build_app(engine, served_model_name="smollm2", api_key=api_key, **app_kw)
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = KvpageServer(app, host="127.0.0.1", port=port, **(server_kw or {}))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -38,7 +42,15 @@ def start_server(api_key: str | None = None, **engine_kw):
             raise RuntimeError("the server did not start")
         time.sleep(0.05)
     url = f"http://127.0.0.1:{port}"
-    return SimpleNamespace(url=url, base_url=f"{url}/v1", engine=engine, server=server, thread=thread)
+    return SimpleNamespace(
+        url=url,
+        base_url=f"{url}/v1",
+        engine=engine,
+        server=server,
+        thread=thread,
+        metrics=app.fastapi.state.metrics,
+        aengine=app.fastapi.state.async_engine,
+    )
 
 
 def stop_server(s) -> None:
@@ -53,20 +65,36 @@ def server():
     stop_server(s)
 
 
-def wait_idle(s, timeout: float = 30.0) -> None:
+def scrape(s, headers: dict | None = None) -> dict[str, float]:
+    """/metrics as {name{labels}: value}, the model_name label left out."""
+    text = httpx.get(f"{s.url}/metrics", headers=headers).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()) if k != "model_name")
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+def wait_idle(s, timeout: float = 30.0, headers: dict | None = None) -> None:
     """Until the engine has no request left (checked from outside, as an operator would: /metrics)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        text = httpx.get(f"{s.url}/metrics").text
-        if 'kvpage:kv_cache_blocks{state="used"} 0.0' in text and "kvpage:num_requests_running 0.0" in text:
+        m = scrape(s, headers)
+        if m['kvpage:kv_cache_blocks{state="used"}'] == 0 and m["kvpage:num_requests_running"] == 0 \
+                and m["kvpage:num_requests_waiting"] == 0:  # fmt: skip
             return
         time.sleep(0.05)
     raise AssertionError("the engine did not go idle")
 
 
-def assert_pool_free(s) -> None:
-    wait_idle(s)
+def assert_pool_free(s, headers: dict | None = None) -> None:
+    wait_idle(s, headers=headers)
     s.engine.kv_manager.check_invariants()
     st = s.engine.cache_stats()
     assert st.used_blocks == 0 and st.free_blocks == st.total_blocks
     assert not s.engine.has_unfinished_requests()
+    deadline = time.monotonic() + 5  # the metrics forget a request once its end has been seen
+    while s.metrics.tracked and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert s.metrics.tracked == 0

@@ -8,9 +8,8 @@ import json
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import assert_pool_free, start_server, stop_server, wait_idle
+from tests.server.conftest import assert_pool_free, scrape, start_server, stop_server, wait_idle
 
 OK_CHAT = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 
@@ -60,40 +59,59 @@ def test_client_disconnect_mid_stream_frees_its_blocks(server):
     assert_pool_free(server)
 
 
-def metric_values(text: str) -> dict[str, float]:
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = sample.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())) + "}"
-                                 if sample.labels else "")  # fmt: skip
-            out[key] = sample.value
-    return out
+VLLM_NAMES = [  # vllm:X in vLLM is kvpage:X here, same type, unit and meaning, with the model_name label
+    "kvpage:num_requests_running", "kvpage:num_requests_waiting", "kvpage:kv_cache_usage_perc",
+    "kvpage:prompt_tokens_total", "kvpage:generation_tokens_total", "kvpage:num_preemptions_total",
+    "kvpage:prefix_cache_queries_total", "kvpage:prefix_cache_hits_total",
+    "kvpage:time_to_first_token_seconds_count", "kvpage:inter_token_latency_seconds_count",
+    "kvpage:e2e_request_latency_seconds_count", "kvpage:request_prompt_tokens_count",
+    "kvpage:request_generation_tokens_count",
+    'kvpage:request_success_total{finished_reason="stop"}', 'kvpage:request_success_total{finished_reason="length"}',
+    'kvpage:request_success_total{finished_reason="abort"}',
+]  # fmt: skip
+OWN_NAMES = ['kvpage:kv_cache_blocks{state="free"}', 'kvpage:kv_cache_blocks{state="used"}',
+             'kvpage:kv_cache_blocks{state="cached"}', 'kvpage:kv_cache_blocks{state="shared"}',
+             "kvpage:prefix_cache_hit_rate", "kvpage:num_requests_swapped"]  # fmt: skip
 
 
-def test_metrics_parse_and_move(server):
-    before = metric_values(httpx.get(f"{server.url}/metrics").text)
-    for name in ("kvpage:kv_cache_usage_perc", "kvpage:kv_cache_blocks{state=free}",
-                 "kvpage:kv_cache_blocks{state=used}",
-                 "kvpage:kv_cache_blocks{state=cached}", "kvpage:kv_cache_blocks{state=shared}",
-                 "kvpage:prefix_cache_hit_rate", "kvpage:num_requests_running", "kvpage:num_requests_waiting",
-                 "kvpage:num_requests_swapped", "kvpage:num_preemptions_total", "kvpage:prompt_tokens_total",
-                 "kvpage:generation_tokens_total", "kvpage:time_to_first_token_seconds_count",
-                 "kvpage:inter_token_latency_seconds_count"):  # fmt: skip
+def test_metrics_have_vllms_names_and_units_and_move(server):
+    text = httpx.get(f"{server.url}/metrics").text
+    assert 'kvpage:num_requests_running{model_name="smollm2"}' in text  # the label vLLM's dashboards filter on
+    before = scrape(server)
+    for name in VLLM_NAMES + OWN_NAMES:
         assert name in before, name
     system = "You are a terse assistant. " * 8
+    client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
     for q in ("Say one.", "Say two."):
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
-        r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "smollm2", "messages": msgs,
-                                                                 "max_tokens": 6}, timeout=60)  # fmt: skip
-        assert r.status_code == 200
-    after = metric_values(httpx.get(f"{server.url}/metrics").text)
-    assert after["kvpage:generation_tokens_total"] > before["kvpage:generation_tokens_total"]
+        r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=6, temperature=0,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        assert r.choices[0].finish_reason == "length"
+    stream = client.completions.create(model="smollm2", prompt="Hello", max_tokens=400, stream=True,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    usage_mid = None
+    for i, _ in enumerate(stream):
+        if i == 3:
+            usage_mid = scrape(server)["kvpage:kv_cache_usage_perc"]
+            stream.close()  # leave: an abort
+            break
+    wait_idle(server)
+    after = scrape(server)
+    assert 0 < usage_mid <= 1  # a fraction, as vLLM's, not a percentage
+    assert after["kvpage:kv_cache_usage_perc"] == 0
+    assert after["kvpage:generation_tokens_total"] >= before["kvpage:generation_tokens_total"] + 12
     assert after["kvpage:prompt_tokens_total"] > before["kvpage:prompt_tokens_total"]
-    assert after["kvpage:time_to_first_token_seconds_count"] >= before["kvpage:time_to_first_token_seconds_count"] + 2
-    assert after["kvpage:inter_token_latency_seconds_count"] > before["kvpage:inter_token_latency_seconds_count"]
+    assert after["kvpage:time_to_first_token_seconds_count"] == before["kvpage:time_to_first_token_seconds_count"] + 3
+    assert after["kvpage:inter_token_latency_seconds_count"] >= before["kvpage:inter_token_latency_seconds_count"] + 10
+    assert after["kvpage:e2e_request_latency_seconds_count"] == before["kvpage:e2e_request_latency_seconds_count"] + 3
+    for reason, more in (("length", 2), ("abort", 1), ("stop", 0)):
+        key = f'kvpage:request_success_total{{finished_reason="{reason}"}}'
+        assert after[key] == before[key] + more, reason
+    assert after["kvpage:request_generation_tokens_sum"] == before["kvpage:request_generation_tokens_sum"] + 12
     assert after["kvpage:prefix_cache_hits_total"] > before["kvpage:prefix_cache_hits_total"]  # shared system prompt
-    assert after["kvpage:kv_cache_blocks{state=cached}"] > 0
-    assert_pool_free(server)
+    assert after["kvpage:prefix_cache_queries_total"] > after["kvpage:prefix_cache_hits_total"]
+    assert after['kvpage:kv_cache_blocks{state="cached"}'] > 0
+    assert_pool_free(server)  # and the metrics hold nothing for the aborted request
 
 
 def test_a_request_that_can_never_fit_fails_alone_and_the_server_keeps_answering():

@@ -1,0 +1,190 @@
+"""`OpenAIServing`: what the completions and chat endpoints share.
+
+The model and length checks, the request's sampling (or beam-search) parameters, its prefix-cache
+salt, running its prompts through the AsyncEngine (a bounded window at a time, aborted as soon as
+the client goes away, streaming or not), and the mapping of engine errors to HTTP statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+
+from fastapi import Request
+
+from kvpage.outputs import PositionLogprobs, RequestOutput
+from kvpage.sampling_params import BeamSearchParams, SamplingParams
+from kvpage.server.async_engine import AsyncEngine, EngineUnavailable
+from kvpage.server.errors import APIError
+from kvpage.server.streaming import merge
+
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its answer was ready; its requests were aborted."""
+
+
+def translate(e: BaseException) -> BaseException:
+    """An engine-side exception as the APIError the client gets."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineUnavailable):
+        return APIError(503, str(e), code="engine_unavailable")
+    if isinstance(e, ValueError):
+        return APIError(400, str(e))
+    if isinstance(e, RuntimeError):
+        return APIError(500, str(e))
+    return e
+
+
+async def until_disconnected(raw_request: Request, work: Awaitable):
+    """The result of `work`, unless the client disconnects first: then `work` is cancelled (which
+    aborts its engine requests) and ClientDisconnected is raised."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect():
+        while True:
+            message = await raw_request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnected
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        aengine: AsyncEngine,
+        served_model_name: str,
+        *,
+        max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+        salt_cache_per_key: bool = False,
+    ) -> None:
+        self.aengine = aengine
+        self.engine = aengine.engine
+        self.tokenizer = aengine.engine.tokenizer
+        self.served_model_name = served_model_name
+        self.max_prompts_per_request = max_prompts_per_request
+        self.salt_cache_per_key = salt_cache_per_key
+
+    # ------------------------------------------------------------------ checks
+    def check_model(self, name: str) -> None:
+        if name != self.served_model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.served_model_name!r}",
+                           param="model", code="model_not_found")  # fmt: skip
+
+    def check_length(self, ids: list[int], max_tokens: int | None) -> int:
+        limit = self.engine.max_model_len
+        if len(ids) >= limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
+                                f"{len(ids)} tokens", param="prompt", code="context_length_exceeded")  # fmt: skip
+        if max_tokens is None:
+            return limit - len(ids)
+        if len(ids) + max_tokens > limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} "
+                                f"and max_tokens asks for {max_tokens}", param="max_tokens",
+                           code="context_length_exceeded")  # fmt: skip
+        return max_tokens
+
+    def params(
+        self, req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams | BeamSearchParams:
+        """The engine's parameters for a request body; a bad value is a 400 naming its field."""
+        vocab = self.engine.model_config.vocab_size
+        for tok in req.logit_bias or ():
+            if tok >= vocab:
+                raise APIError(400, f"logit_bias: token id {tok} is outside the vocabulary [0, {vocab})",
+                               param="logit_bias")  # fmt: skip
+        try:
+            if req.use_beam_search:
+                for name, unsupported in (("logprobs", logprobs is not None),
+                                          ("prompt_logprobs", prompt_logprobs is not None),
+                                          ("logit_bias", bool(req.logit_bias))):  # fmt: skip
+                    if unsupported:
+                        raise APIError(400, f"{name} is not supported with use_beam_search", param=name)
+                return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
+                                        length_penalty=float(req.length_penalty),
+                                        include_stop_str_in_output=req.include_stop_str_in_output)  # fmt: skip
+            kw = dict(n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed, logprobs=logprobs,
+                      prompt_logprobs=prompt_logprobs, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+                      stop_token_ids=req.stop_token_ids, skip_special_tokens=req.skip_special_tokens,
+                      include_stop_str_in_output=req.include_stop_str_in_output,
+                      logit_bias=req.logit_bias or None)  # fmt: skip
+            for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                         "repetition_penalty"):  # fmt: skip
+                value = getattr(req, name)
+                if value is not None:
+                    kw[name] = value
+            return SamplingParams(**kw)
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+
+    def cache_salt(self, req, raw_request: Request) -> str | None:
+        """The request's prefix-cache salt: its own `cache_salt`, and its tenant's with --salt-cache-per-key."""
+        parts = []
+        if self.salt_cache_per_key:
+            parts.append(getattr(raw_request.state, "tenant", None) or "anonymous")
+        if req.cache_salt:
+            parts.append(req.cache_salt)
+        return "\x1f".join(parts) or None
+
+    def window(self, width: int) -> int:
+        """How many of one HTTP request's prompts run at a time: half the batch at most."""
+        return max(1, self.engine.config.max_num_seqs // (2 * width))
+
+    # ------------------------------------------------------------------ running
+    def generators(self, rid: str, token_lists: list[list[int]], params, salt) -> list[AsyncIterator[RequestOutput]]:
+        return [self.aengine.generate(f"{rid}-{i}", ids, params, salt) for i, ids in enumerate(token_lists)]
+
+    async def outputs(self, gens, width: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) as they come; engine errors become APIErrors."""
+        try:
+            async for i, out in merge(gens, self.window(width)):
+                if out.error:
+                    raise APIError(400, out.error)
+                yield i, out
+        except Exception as e:  # noqa: BLE001 - translated, not swallowed
+            raise translate(e) from None
+
+    async def final_outputs(self, raw_request: Request, gens, width: int) -> list[RequestOutput]:
+        """Every prompt's last output; the client leaving aborts them all (ClientDisconnected)."""
+
+        async def collect():
+            finals: list[RequestOutput | None] = [None] * len(gens)
+            async for i, out in self.outputs(gens, width):
+                finals[i] = out
+            return finals
+
+        return await until_disconnected(raw_request, collect())
+
+    # ------------------------------------------------------------------ formatting
+    def prompt_logprobs_json(self, positions: list[PositionLogprobs | None] | None) -> list | None:
+        """vLLM's prompt_logprobs: per prompt token, None (the first) or {token id: {logprob, rank, decoded_token}}."""
+        if positions is None:
+            return None
+        return [None if pos is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                                   "decoded_token": lp.decoded_token} for t, lp in pos.items()}
+                for pos in positions]  # fmt: skip
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def top_entries(pos: PositionLogprobs, k: int) -> list:
+    """The k most likely entries of one position, best first (the chosen token may rank lower)."""
+    return sorted((lp for lp in pos.values() if lp.rank is not None and lp.rank <= k), key=lambda lp: lp.rank)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip

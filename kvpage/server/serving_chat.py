@@ -1,0 +1,124 @@
+"""`ChatServing`: POST /v1/chat/completions, streaming or not.
+
+Messages are tokenized with `Tokenizer.encode_chat`: only the chat template's own markup becomes
+control tokens; a message's content is always text, whatever it spells.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from jinja2.exceptions import TemplateError
+
+from kvpage.outputs import CompletionOutput, RequestOutput
+from kvpage.server.errors import APIError
+from kvpage.server.protocol import ChatCompletionRequest
+from kvpage.server.serving import OpenAIServing, top_entries, usage
+from kvpage.server.streaming import sse
+
+
+class ChatServing(OpenAIServing):
+    async def create(self, req: ChatCompletionRequest, raw_request: Request):
+        self.check_model(req.model)
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        except (ValueError, TemplateError) as e:
+            raise APIError(400, f"messages: {e}", param="messages") from None
+        max_tokens = self.check_length(ids, req.max_completion_tokens or req.max_tokens)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        params = self.params(req, max_tokens, top, req.prompt_logprobs)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        gens = self.generators(rid, [ids], params, self.cache_salt(req, raw_request))
+        run = _Run(self, rid, req, ids)
+        if req.stream:
+            return sse(run.stream(self.outputs(gens, req.n)))
+        (out,) = await self.final_outputs(raw_request, gens, req.n)
+        return run.response(out)
+
+
+class _Run:
+    def __init__(self, serving: ChatServing, rid: str, req: ChatCompletionRequest, ids: list[int]) -> None:
+        self.s, self.rid, self.req, self.ids = serving, rid, req, ids
+
+    def _logprobs(self, c: CompletionOutput, start: int) -> dict | None:
+        if not self.req.logprobs:
+            return None
+        k, content = self.req.top_logprobs or 0, []
+        for tok, pos in zip(c.token_ids[start:], (c.logprobs or [])[start:], strict=False):
+            text = self.s.token_text(tok)
+            top = [{"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list((lp.decoded_token or "").encode())}
+                   for lp in top_entries(pos, k)]  # fmt: skip
+            content.append({"token": text, "logprob": pos[tok].logprob, "bytes": list(text.encode()),
+                            "top_logprobs": top})  # fmt: skip
+        return {"content": content}
+
+    def _extras(self, body: dict, out: RequestOutput) -> dict:
+        if self.req.return_token_ids:
+            body["prompt_token_ids"] = self.ids
+        if self.req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.s.prompt_logprobs_json(out.prompt_logprobs)
+        return body
+
+    def response(self, out: RequestOutput) -> dict:
+        choices = []
+        for c in out.outputs:
+            choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                      "logprobs": self._logprobs(c, 0), "finish_reason": c.finish_reason,
+                      "stop_reason": c.stop_reason}  # fmt: skip
+            if self.req.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
+        body = {"id": self.rid, "object": "chat.completion", "created": int(time.time()),
+                "model": self.s.served_model_name, "choices": choices,
+                "usage": usage(len(self.ids), sum(len(c.token_ids) for c in out.outputs))}  # fmt: skip
+        return self._extras(body, out)
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        return {"id": self.rid, "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": self.s.served_model_name, "choices": choices}  # fmt: skip
+
+    async def stream(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[dict]:
+        req = self.req
+        sent: dict[int, tuple[int, int]] = {}
+        done: set[int] = set()
+        completion_tokens = 0
+        async for _, out in outputs:
+            if req.use_beam_search and not out.finished:
+                continue  # beams are only final once the search ends
+            for c in out.outputs:
+                if c.index in done:
+                    continue
+                if c.index not in sent:
+                    sent[c.index] = (0, 0)
+                    first = self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}])  # fmt: skip
+                    yield self._extras(first, out) if c.index == 0 else first
+                n_text, n_tok = sent[c.index]
+                delta = c.text[n_text:]
+                if not delta and not c.finish_reason:
+                    continue  # (a token that ends mid-character: it goes with the next one)
+                completion_tokens += len(c.token_ids) - n_tok
+                sent[c.index] = (len(c.text), len(c.token_ids))
+                lp = self._logprobs(c, n_tok)
+                token_ids = c.token_ids[n_tok:]
+                if delta:
+                    choice = {"index": c.index, "delta": {"content": delta}, "logprobs": lp, "finish_reason": None}
+                    if req.return_token_ids:
+                        choice["token_ids"] = token_ids
+                    yield self._chunk([choice])
+                    lp, token_ids = None, []
+                if c.finish_reason:
+                    done.add(c.index)
+                    choice = {"index": c.index, "delta": {}, "logprobs": lp, "finish_reason": c.finish_reason,
+                              "stop_reason": c.stop_reason}  # fmt: skip
+                    if req.return_token_ids:
+                        choice["token_ids"] = token_ids
+                    yield self._chunk([choice])
+        if req.stream_options and req.stream_options.include_usage:
+            body = self._chunk([])
+            body["usage"] = usage(len(self.ids), completion_tokens)
+            yield body

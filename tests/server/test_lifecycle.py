@@ -1,0 +1,120 @@
+"""The server's life: a signal stops it within seconds whatever runs; a dead engine is reported
+(/health 503, every waiting client answered) and the process exits."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import start_server, stop_server
+
+LONG = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 900, "min_tokens": 900, "ignore_eos": True}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_the_server_within_seconds_while_requests_run(sig):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvpage.cli", "serve", "--port", str(port), "--dtype", "float32",
+                             "--num-kv-blocks", "256", "--max-model-len", "1024"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        answers: list = []
+
+        def plain():
+            answers.append(httpx.post(f"{url}/v1/completions", json=LONG, timeout=120))
+
+        def streaming():
+            with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}, timeout=120) as r:
+                answers.append([line for line in r.iter_lines() if line.startswith("data: ")])
+
+        clients = [threading.Thread(target=plain) for _ in range(3)] + [threading.Thread(target=streaming)]
+        for t in clients:
+            t.start()
+        time.sleep(2.0)  # the requests are running
+        t0 = time.monotonic()
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=30)
+        took = time.monotonic() - t0
+        for t in clients:
+            t.join(timeout=10)
+        # uvicorn re-raises the signal once it has shut down: the exit status says which signal ended it
+        assert rc in (0, -sig, 128 + sig) and took < 15, (rc, took)  # 4 x 900 tokens would take minutes
+        statuses = sorted(a.status_code for a in answers if isinstance(a, httpx.Response))
+        assert statuses == [503, 503, 503]
+        assert all("shutting down" in a.json()["error"]["message"] for a in answers if isinstance(a, httpx.Response))
+        (events,) = [a for a in answers if isinstance(a, list)]
+        assert events[-1] == "data: [DONE]" and "shutting down" in json.loads(events[-2][6:])["error"]["message"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _crash_the_engine(s) -> None:
+    """Fault injection: the engine's next step raises out of the engine loop, as a bug would."""
+
+    def broken_step():
+        raise RuntimeError("injected engine fault")
+
+    s.engine.step = broken_step
+
+
+def test_a_dead_engine_answers_503_and_every_waiting_client():
+    s = start_server(server_kw={"exit_on_engine_death": False}, num_kv_blocks=64, max_model_len=512)
+    try:
+        answers: list = []
+        t = threading.Thread(target=lambda: answers.append(httpx.post(
+            f"{s.url}/v1/completions", json={**LONG, "max_tokens": 400, "min_tokens": 400}, timeout=60)))  # fmt: skip
+        t.start()
+        deadline = time.monotonic() + 30
+        while not s.engine.num_generation_tokens:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        _crash_the_engine(s)
+        t.join(timeout=30)
+        assert answers[0].status_code == 503 and "injected engine fault" in answers[0].json()["error"]["message"]
+        health = httpx.get(f"{s.url}/health")
+        assert health.status_code == 503 and "injected engine fault" in health.json()["error"]
+        c = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0, timeout=10)
+        with pytest.raises(openai.InternalServerError) as e:
+            c.completions.create(model="smollm2", prompt="hi", max_tokens=2)
+        assert e.value.status_code == 503 and "engine stopped" in e.value.message
+    finally:
+        stop_server(s)
+
+
+def test_a_dead_engine_stops_the_server():
+    s = start_server(num_kv_blocks=64, max_model_len=512)
+    try:
+        _crash_the_engine(s)
+        httpx.post(f"{s.url}/v1/completions", json={"model": "smollm2", "prompt": "hi", "max_tokens": 2}, timeout=30)
+        s.thread.join(timeout=15)
+        assert not s.thread.is_alive() and s.server.engine_died
+    finally:
+        stop_server(s)
