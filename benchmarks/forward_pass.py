@@ -77,9 +77,9 @@ def measure(lm, kind: str, batch: int, repeat: int) -> dict:
     num_blocks = (batch * (CONTEXT + 1) if kind == "decode" else PREFILL) // BLOCK + batch + 2
     mgr = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=False)
     kv = KVCache(cfg, num_blocks, BLOCK, dtype)
-    for k, v in kv.layers:  # any values do: the cost of attention does not depend on them
-        k.normal_()
-        v.normal_()
+    for layer in kv.layers:  # any values do: the cost of attention does not depend on them
+        layer.k.normal_()
+        layer.v.normal_()
     step = step_for(kind, batch, mgr)
     inputs = build_inputs(step.sequences, BLOCK, "cpu")
     timed = TimedBackend(model.layers[0].self_attn.backend)

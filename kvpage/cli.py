@@ -37,6 +37,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once (default 256)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (default 2048)")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
+                   help="KV blocks in the model's dtype (auto, the default), or int8 / fp8 with a float32 scale "
+                   "per token and kv head: ~1.9x the blocks of bfloat16 in the same memory")  # fmt: skip
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
 
@@ -47,7 +50,7 @@ def _make_llm(args: argparse.Namespace):
     kw = dict(dtype=args.dtype, block_size=args.block_size, swap_space=args.swap_space,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-              seed=args.seed, weight_dtype=args.weight_dtype,
+              seed=args.seed, weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype,
               attention_backend=args.attention_backend)  # fmt: skip
     if args.num_kv_blocks is not None:
         kw["num_kv_blocks"] = args.num_kv_blocks

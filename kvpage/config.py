@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 
+from kvpage.core.kv_bytes import KV_CACHE_DTYPES
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -28,6 +30,7 @@ def parse_bytes(value: int | str, field_name: str) -> int:
 class EngineConfig:
     model: str = "smollm2"
     dtype: str = "auto"  # bfloat16 where the hardware computes it natively, else float32
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8" or "fp8": quantized KV blocks
     weight_dtype: str | None = None  # "int8" / "int4": weight-only quantized linear layers (models/weight_quant.py)
     block_size: int = 16
     kv_cache_memory: int | str | None = None  # bytes for the KV cache; default 512MiB unless num_kv_blocks
@@ -57,6 +60,8 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
         self.swap_space = parse_bytes(self.swap_space, "swap_space")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.weight_dtype not in (None, "int8", "int4"):
             raise ValueError(f"weight_dtype must be int8, int4 or None; got {self.weight_dtype!r}")
         if self.dtype not in ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half"):

@@ -61,7 +61,9 @@ def test_estimate_matches_the_formula_by_hand():
     # per 16-token block 12.5 MiB; 8 x 2048 pre-allocated = 13,421,772,800 B = 12.50 GiB
     # paged: ceil(500 / 16) * 16 = 512 slots x 8 = 4096 tokens = 3,355,443,200 B = 3.12 GiB, saving 75.0%
     assert "| float16 | 800.00 KiB | 12.50 MiB | 12.50 GiB | 3.12 GiB | 75.0% |" in r.stdout
-    assert "| int8 | 400.00 KiB | 6.25 MiB | 6.25 GiB | 1.56 GiB | 75.0% |" in r.stdout
+    # int8: 2 x 40 x 40 x (128 values x 1 byte + a 4-byte scale) = 422,400 B = 412.50 KiB per token;
+    # a block 6,758,400 B = 6.45 MiB; 16,384 tokens 6.45 GiB; 4,096 slots 1,730,150,400 B = 1.61 GiB
+    assert "| int8 | 412.50 KiB | 6.45 MiB | 6.45 GiB | 1.61 GiB | 75.0% |" in r.stdout
     # the default model, read from its GGUF metadata: 2 x 30 x 3 x 64 x 2 = 23,040 B = 22.50 KiB per token
     r = kvpage("estimate", "--batch", "1", "--max-len", "100", "--lengths", "50")
     assert r.returncode == 0, r.stderr

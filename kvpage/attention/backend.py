@@ -3,11 +3,12 @@
 Backends are chosen by name and imported lazily, so a GPU kernel can be added (and its toolchain
 imported) without the reference backend or the model changing.
 
-The cache a backend is given is one layer's K (or V) of every block, head-major inside a block
-(the layout kvpage/worker/kv_cache.py allocates; see kvpage/attention/torch_ref.py for why):
+The cache a backend is given is one layer's `LayerKV` (layer_kv.py): K and V of every block,
+head-major inside a block (see kvpage/attention/torch_ref.py for why), and their scales when the KV
+dtype is quantized (int8 / fp8: the backend quantizes when it writes, dequantizes when it reads):
 
-    k_cache, v_cache: [num_blocks, num_kv_heads, block_size, head_dim]
-    slot s = block_id * block_size + offset   ->   k_cache[block_id, :, offset, :]
+    kv.k, kv.v: [num_blocks, num_kv_heads, block_size, head_dim]; kv.k_scale, kv.v_scale: [.., block_size]
+    slot s = block_id * block_size + offset   ->   kv.k[block_id, :, offset, :]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from kvpage.attention.layer_kv import LayerKV
 from kvpage.attention.metadata import AttentionMetadata
 
 _BACKENDS = {
@@ -33,8 +35,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,
-        k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim], one layer
-        v_cache: torch.Tensor,
+        kv: LayerKV,  # one layer's cache
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpage.attention.layer_kv import LayerKV
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.attention.torch_ref import TorchReferenceBackend
 from kvpage.ops import KERNEL_DTYPES, load, unavailable_reason
@@ -34,22 +35,27 @@ class CpuPagedBackend(TorchReferenceBackend):
         self._decode = torch.ops.kvpage.paged_decode_attention
         self._write = torch.ops.kvpage.write_kv
 
-    def write(self, k, v, k_cache, v_cache, slots) -> None:
-        if k_cache.dtype not in KERNEL_DTYPES:
-            return super().write(k, v, k_cache, v_cache, slots)
-        self._write(k, v, k_cache, v_cache, slots)
+    def write(self, k, v, kv: LayerKV, slots) -> None:
+        if not _kernel_reads(kv):
+            return super().write(k, v, kv, slots)
+        self._write(k, v, kv.k, kv.v, slots)
 
-    def decodes(self, out, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> None:
-        if k_cache.dtype not in KERNEL_DTYPES:
-            return super().decodes(out, q, k_cache, v_cache, meta, scale)
+    def decodes(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
+        if not _kernel_reads(kv):
+            return super().decodes(out, q, kv, meta, scale)
         n = meta.num_decodes
-        self._decode(out[:n], q[:n], k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        self._decode(out[:n], q[:n], kv.k, kv.v, meta.block_tables, meta.seq_lens, scale)
 
-    def prefill_chunk(self, out, q, k, v, k_cache, v_cache, meta: AttentionMetadata, i: int, scale: float) -> None:
+    def prefill_chunk(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> None:
         m, n = q.shape[0], meta.seq_lens_list[i]
-        if k_cache.dtype not in KERNEL_DTYPES or m == n or m > SHORT_CHUNK:
-            return super().prefill_chunk(out, q, k, v, k_cache, v_cache, meta, i, scale)
+        if not _kernel_reads(kv) or m == n or m > SHORT_CHUNK:
+            return super().prefill_chunk(out, q, k, v, kv, meta, i, scale)
         # query r sits at position n - m + r and sees the keys 0 .. n - m + r: a decode of that length
         tables = meta.block_tables[i : i + 1].expand(m, -1)
         lens = torch.arange(n - m + 1, n + 1, dtype=torch.int64, device=q.device)
-        self._decode(out, q, k_cache, v_cache, tables, lens, scale)
+        self._decode(out, q, kv.k, kv.v, tables, lens, scale)
+
+
+def _kernel_reads(kv: LayerKV) -> bool:
+    """The kernels read float32 / bfloat16 caches; a quantized one takes the reference path (for now)."""
+    return not kv.quantized and kv.k.dtype in KERNEL_DTYPES

@@ -12,7 +12,8 @@ Decodes are attended in groups of similar length (see AttentionMetadata.decode_g
 at a time with the query heads of its group stacked, so K/V are never repeated for grouped-query
 attention; softmax runs in float32. Each prefill chunk is attended on its own (no padding to the
 longest chunk): a chunk with no earlier context uses its fresh K/V with a causal mask, one with
-cached context gathers its keys and masks by position.
+cached context gathers its keys and masks by position. A quantized cache (int8 / fp8) is quantized
+as it is written and dequantized as it is gathered, in float32 then the compute dtype.
 """
 
 from __future__ import annotations
@@ -20,22 +21,36 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvpage.attention.kv_quant import dequantize, quantize
+from kvpage.attention.layer_kv import LayerKV
 from kvpage.attention.metadata import AttentionMetadata
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
-    """Store each token's K/V ([tokens, kv_heads, head_dim]) at its slot."""
-    block_size = k_cache.shape[2]
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv: LayerKV, slots: torch.Tensor) -> None:
+    """Store each token's K/V ([tokens, kv_heads, head_dim]) at its slot (quantized, if the cache is)."""
+    block_size = kv.k.shape[2]
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, :, offsets] = k
-    v_cache[blocks, :, offsets] = v
+    if kv.quantized:
+        for x, values, scales in ((k, kv.k, kv.k_scale), (v, kv.v, kv.v_scale)):
+            q, s = quantize(x, kv.kind)
+            values[blocks, :, offsets] = q
+            scales[blocks, :, offsets] = s
+        return
+    kv.k[blocks, :, offsets] = k
+    kv.v[blocks, :, offsets] = v
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` keys (or values) of one sequence, head-major: [kv_heads, length, head_dim]."""
+def gather_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, length: int, scales: torch.Tensor | None = None, dtype=None
+) -> torch.Tensor:
+    """The first `length` keys (or values) of one sequence, head-major: [kv_heads, length, head_dim];
+    with `scales`, dequantized to `dtype`."""
     num_blocks = -(-length // cache.shape[2])
-    blocks = cache[block_table[:num_blocks]]  # [nb, kv_heads, bs, d]
-    return blocks.transpose(0, 1).flatten(1, 2)[:, :length]
+    table = block_table[:num_blocks]
+    out = cache[table].transpose(0, 1).flatten(1, 2)[:, :length]  # [kv_heads, length, d]
+    if scales is None:
+        return out
+    return dequantize(out, scales[table].transpose(0, 1).flatten(1, 2)[:, :length], dtype)
 
 
 class TorchReferenceBackend:
@@ -46,30 +61,30 @@ class TorchReferenceBackend:
         # allocating ~100 MB afresh each time costs more in page faults than the attention itself.
         self._workspace: dict[str, torch.Tensor] = {}
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        self.write(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k, v, kv: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self.write(k, v, kv, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.num_decodes:
-            self.decodes(out, q, k_cache, v_cache, meta, scale)
-        self.prefills(out, q, k, v, k_cache, v_cache, meta, scale)
+            self.decodes(out, q, kv, meta, scale)
+        self.prefills(out, q, k, v, kv, meta, scale)
         return out
 
-    def write(self, k, v, k_cache, v_cache, slots) -> None:
-        write_kv(k, v, k_cache, v_cache, slots)
+    def write(self, k, v, kv: LayerKV, slots) -> None:
+        write_kv(k, v, kv, slots)
 
-    def decodes(self, out, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> None:
+    def decodes(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
         """out[:num_decodes] = attention of the first num_decodes queries (one token each)."""
         for rows, max_len, bias in meta.decode_groups:
-            out[rows] = self._decode_group(q[rows], rows, max_len, bias, k_cache, v_cache, meta, scale)
+            out[rows] = self._decode_group(q[rows], rows, max_len, bias, kv, meta, scale)
 
-    def prefills(self, out, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> None:
+    def prefills(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
         """Each prefill chunk on its own, after the decodes (its K/V already written)."""
         starts = meta.query_start_loc
         for i in range(meta.num_decodes, meta.num_seqs):
             s, e = starts[i], starts[i + 1]
-            self.prefill_chunk(out[s:e], q[s:e], k[s:e], v[s:e], k_cache, v_cache, meta, i, scale)
+            self.prefill_chunk(out[s:e], q[s:e], k[s:e], v[s:e], kv, meta, i, scale)
 
-    def prefill_chunk(self, out, q, k, v, k_cache, v_cache, meta: AttentionMetadata, i: int, scale: float) -> None:
+    def prefill_chunk(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> None:
         """out = attention of the chunk's queries (sequence i, its last len(q) positions)."""
         n = meta.seq_lens_list[i]
         # 4-D inputs ([1, heads, tokens, d]): torch's fused CPU kernel takes those, and is 3-4x
@@ -79,8 +94,9 @@ class TorchReferenceBackend:
             ki, vi = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            ki = gather_kv(k_cache, meta.block_tables[i], n)[None]
-            vi = gather_kv(v_cache, meta.block_tables[i], n)[None]
+            table = meta.block_tables[i]
+            ki = gather_kv(kv.k, table, n, kv.k_scale, q.dtype)[None]
+            vi = gather_kv(kv.v, table, n, kv.v_scale, q.dtype)[None]
             pos_q = torch.arange(n - q.shape[0], n, device=q.device)
             mask = torch.arange(n, device=q.device)[None, :] <= pos_q[:, None]  # [q, n]
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -96,17 +112,20 @@ class TorchReferenceBackend:
         out = buf[:numel].view(blocks.numel(), *cache_head.shape[1:])
         return torch.index_select(cache_head, 0, blocks, out=out)
 
-    def _decode_group(self, q, rows, max_len, bias, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def _decode_group(self, q, rows, max_len, bias, kv: LayerKV, meta: AttentionMetadata, scale: float):
         n, bs = rows.numel(), meta.block_size
-        kv_heads, d = k_cache.shape[1], k_cache.shape[3]
+        kv_heads, d = kv.k.shape[1], kv.k.shape[3]
         nb = -(-max_len // bs)
         blocks = meta.block_tables[rows, :nb].reshape(-1)
         group = q.shape[1] // kv_heads
         qg = q.view(n, kv_heads, group, d)
         out = torch.empty(n, kv_heads, group, d, dtype=q.dtype, device=q.device)
         for h in range(kv_heads):
-            keys = self._gather("k", k_cache[:, h], blocks).view(n, nb * bs, d)
-            values = self._gather("v", v_cache[:, h], blocks).view(n, nb * bs, d)
+            keys = self._gather("k", kv.k[:, h], blocks).view(n, nb * bs, d)
+            values = self._gather("v", kv.v[:, h], blocks).view(n, nb * bs, d)
+            if kv.quantized:
+                keys = dequantize(keys, kv.k_scale[:, h][blocks].view(n, nb * bs), q.dtype)
+                values = dequantize(values, kv.v_scale[:, h][blocks].view(n, nb * bs), q.dtype)
             scores = torch.bmm(qg[:, h], keys.transpose(1, 2)).float()  # [n, group, L]
             probs = torch.add(bias, scores, alpha=scale).softmax(-1).to(q.dtype)  # bias masks the padding
             out[:, h] = torch.bmm(probs, values)

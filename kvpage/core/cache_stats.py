@@ -24,6 +24,15 @@ class CacheStats:
     num_swapped_seqs: int  # sequences on the CPU pool
     cpu_total_blocks: int
     cpu_used_blocks: int
+    bytes_per_block: int = 0  # K, V and (quantized) their scales of every layer; core/kv_bytes.py
+
+    @property
+    def total_bytes(self) -> int:
+        return self.total_blocks * self.bytes_per_block
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_blocks * self.bytes_per_block
 
     @property
     def usage(self) -> float:
@@ -40,4 +49,5 @@ class CacheStats:
         d = asdict(self)
         d["usage"] = self.usage
         d["prefix_hit_rate"] = self.prefix_hit_rate
+        d["total_bytes"], d["used_bytes"] = self.total_bytes, self.used_bytes
         return d

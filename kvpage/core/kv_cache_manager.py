@@ -91,10 +91,12 @@ class KVCacheManager:
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
+        bytes_per_block: int = 0,  # what one block costs (kv_bytes.py), for CacheStats; 0: not known
     ) -> None:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         self.block_size = block_size
+        self.bytes_per_block = bytes_per_block
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, block_size, self.prefix_cache)
         self.cpu_pool = BlockPool(num_cpu_blocks, block_size)
@@ -442,6 +444,7 @@ class KVCacheManager:
             num_swapped_seqs=self._num_swapped,
             cpu_total_blocks=self.cpu_pool.num_total,
             cpu_used_blocks=self.cpu_pool.num_used,
+            bytes_per_block=self.bytes_per_block,
         )
 
     def check_invariants(self, token_ids: dict[SeqId, Sequence[int]] | None = None) -> None:

@@ -30,7 +30,7 @@ from kvpage.engine.output_processor import OutputProcessor, RequestState
 from kvpage.models import choose_dtype, load_model, parse_dtype
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams
-from kvpage.worker.kv_cache import KVCache
+from kvpage.worker.kv_cache import KVCache, kv_dtype_name
 from kvpage.worker.model_runner import ModelRunner, ModelRunnerOutput
 from kvpage.worker.sampler import SamplingRow, sample
 
@@ -62,9 +62,13 @@ class LLMEngine:
         self.kernels = describe_kernels(loaded.model.ops.name, config.attention_backend)
         if config.weight_dtype:
             self.kernels += f"; {config.weight_dtype} weights"
+        if config.kv_cache_dtype != "auto":
+            self.kernels += f"; {config.kv_cache_dtype} KV cache (attention on the torch path)"
         self.tokenizer = loaded.tokenizer
         block_size = config.block_size
-        per_block = KVCache.bytes_per_block(loaded.config, block_size, dtype)
+        per_block = KVCache.bytes_per_block(loaded.config, block_size, dtype, config.kv_cache_dtype)
+        self.kv_dtype_name = kv_dtype_name(config.kv_cache_dtype, dtype)
+        self.bytes_per_block = per_block
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
@@ -90,8 +94,10 @@ class LLMEngine:
             num_cpu_blocks=num_cpu_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
             watermark=config.watermark,
+            bytes_per_block=per_block,
         )
-        self.kv_cache = KVCache(loaded.config, num_blocks, block_size, dtype, config.device, num_cpu_blocks)
+        self.kv_cache = KVCache(loaded.config, num_blocks, block_size, dtype, config.device, num_cpu_blocks,
+                                config.kv_cache_dtype)  # fmt: skip
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.device)
         self.scheduler = Scheduler(
             self.kv_manager,

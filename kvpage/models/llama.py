@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kvpage.attention import AttentionBackend, AttentionMetadata, get_backend
+from kvpage.attention import AttentionBackend, AttentionMetadata, LayerKV, get_backend
 from kvpage.models.config import ModelConfig
 from kvpage.models.layer_ops import TorchLayerOps, rms_norm_ref
 
@@ -82,10 +82,10 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.backend, self.ops = backend, ops
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = self.ops.qkv_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
-        o = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        o = self.backend.forward(q, k, v, kv, meta, self.scale)
         return self.ops.linear(o.reshape(-1, self.q_size), self.o_proj.weight)
 
 
@@ -114,13 +114,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, ops)
         self.ops = ops
 
-    def forward(self, x, delta, cos, sin, k_cache, v_cache, meta):
+    def forward(self, x, delta, cos, sin, kv: LayerKV, meta):
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         if delta is None:
             h = self.ops.rms_norm(x, norm1.weight, norm1.eps)
         else:
             x, h = self.ops.add_rms_norm(x, delta, norm1.weight, norm1.eps)
-        x, h = self.ops.add_rms_norm(x, self.self_attn(h, cos, sin, k_cache, v_cache, meta), norm2.weight, norm2.eps)
+        x, h = self.ops.add_rms_norm(x, self.self_attn(h, cos, sin, kv, meta), norm2.weight, norm2.eps)
         return x, self.mlp(h)
 
 
@@ -151,14 +151,14 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
+        kv_caches: list[LayerKV],  # per layer
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # hidden states [T, hidden]
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         delta = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x, delta = layer(x, delta, cos, sin, k_cache, v_cache, meta)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x, delta = layer(x, delta, cos, sin, kv, meta)
         return self.ops.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,11 @@ class _EngineCollector:
                              ("shared", st.shared_blocks), ("total", st.total_blocks)):  # fmt: skip
             blocks.add_metric([model, state], value)
         yield blocks
+        kv_bytes = GaugeMetricFamily("kvpage:kv_cache_bytes", "KV-cache bytes (scales included) by state",
+                                     labels=["model_name", "state"])  # fmt: skip
+        kv_bytes.add_metric([model, "used"], st.used_bytes)
+        kv_bytes.add_metric([model, "total"], st.total_bytes)
+        yield kv_bytes
         yield self._gauge("kvpage:kv_cache_sharing_ratio", "shared / used blocks", st.sharing_ratio)
         yield self._gauge("kvpage:kv_cache_waste_ratio", "allocated slots holding no token", st.waste)
         yield self._gauge("kvpage:prefix_cache_hit_rate", "prompt tokens served from the prefix cache",

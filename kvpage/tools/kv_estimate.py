@@ -2,6 +2,9 @@
 
     bytes = 2 (K and V) x layers x kv_heads x head_dim x bytes_per_element x tokens
 
+(int8 and fp8 also store a float32 scale per token and kv head: see kvpage/core/kv_bytes.py, the
+one formula the engine, CacheStats and /metrics use too)
+
 and what it means for a batch: a cache pre-allocated to the maximum length for every sequence,
 against a paged cache that holds the actual lengths rounded up to whole blocks.
 """
@@ -13,7 +16,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-KV_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
+from kvpage.core.kv_bytes import ELEMENT_BYTES, kv_bytes_per_token
+
+KV_DTYPES = ELEMENT_BYTES  # bytes per stored value; int8 / fp8 add their scales
 
 # Shapes of well-known models the seed documents talk about (layers, kv_heads, head_dim)
 PRESETS = {
@@ -33,7 +38,7 @@ class KVShape:
     head_dim: int
 
     def bytes_per_token(self, dtype: str) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * KV_DTYPES[dtype]
+        return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, dtype)
 
 
 def kv_bytes(shape: KVShape, dtype: str, tokens: int) -> int:
@@ -88,7 +93,8 @@ def human(n: float) -> str:
 def report(shape: KVShape, block_size: int, batch: int, max_len: int, actual_lens: list[int]) -> str:
     lines = [
         f"KV cache of {shape.name}: {shape.layers} layers x {shape.kv_heads} kv heads x head_dim {shape.head_dim}",
-        "bytes = 2 x layers x kv_heads x head_dim x bytes_per_element x tokens",
+        "bytes = 2 x layers x kv_heads x head_dim x bytes_per_element x tokens "
+        "(int8 / fp8: + 2 x layers x kv_heads x 4 bytes of float32 scales per token)",
         "",
         f"| KV dtype | per token | per block of {block_size} | batch {batch} x {max_len} pre-allocated "
         f"| paged, actual lengths | saved |",

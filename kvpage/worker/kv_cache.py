@@ -1,16 +1,29 @@
-"""The physical KV cache: per layer, K and V tensors of every block, on the device and on the CPU.
+"""The physical KV cache: per layer, a `LayerKV` of every block, on the device and on the CPU.
 
 Layout per layer: [num_blocks, num_kv_heads, block_size, head_dim] (head-major inside a block, so
 one head's blocks gather into contiguous matrices; see attention/torch_ref.py). Token t of a
 sequence is at cache[block_table[t // B], :, t % B, :]. Repeated K/V heads of grouped-query
 attention are never stored: a cache holds num_kv_heads heads only.
+
+With a quantized KV dtype ("int8", "fp8"; kvpage/worker/kv_quant.py) each layer also holds the
+scales, [num_blocks, num_kv_heads, block_size] float32 for K and for V: they belong to the block,
+so copy-on-write, swap and every other move of a block carry them with it, bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvpage.attention.layer_kv import LayerKV
+from kvpage.core.kv_bytes import kv_bytes_per_block
 from kvpage.models.config import ModelConfig
+
+
+def kv_dtype_name(kv_cache_dtype: str, dtype: torch.dtype) -> str:
+    """The KV dtype a cache stores: the model's dtype for "auto", else the quantized one asked for."""
+    if kv_cache_dtype == "auto":
+        return str(dtype).removeprefix("torch.")
+    return kv_cache_dtype
 
 
 class KVCache:
@@ -22,32 +35,31 @@ class KVCache:
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
         num_cpu_blocks: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.block_size = block_size
+        self.kind = kv_cache_dtype
         shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
         cpu_shape = (num_cpu_blocks, *shape[1:])
-        self.layers = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_layers)
-        ]
+        self.layers = [LayerKV.allocate(shape, dtype, kv_cache_dtype, device) for _ in range(cfg.num_layers)]
         pin = torch.device(device).type == "cuda"
         self.cpu_layers = [
-            (torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin), torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin))
-            for _ in range(cfg.num_layers)
+            LayerKV.allocate(cpu_shape, dtype, kv_cache_dtype, "cpu", pin) for _ in range(cfg.num_layers)
         ]
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        return cfg.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size()) * block_size
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+        name = kv_dtype_name(kv_cache_dtype, dtype)
+        return kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, name, block_size)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: device block src -> device block dst, every layer."""
+        """Copy-on-write: device block src -> device block dst, every layer (scales included)."""
         if not pairs:
             return
-        src, dst = self._index(pairs, self.layers[0][0].device)
-        for k, v in self.layers:
-            k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+        src, dst = self._index(pairs, self.layers[0].k.device)
+        for layer in self.layers:
+            for t in layer.tensors():
+                t.index_copy_(0, dst, t.index_select(0, src))
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, cpu block) pairs."""
@@ -67,8 +79,8 @@ class KVCache:
     def _transfer(cls, src_layers, dst_layers, pairs) -> None:
         if not pairs:
             return
-        src, _ = cls._index(pairs, src_layers[0][0].device)
-        _, dst = cls._index(pairs, dst_layers[0][0].device)
-        for (sk, sv), (dk, dv) in zip(src_layers, dst_layers, strict=True):
-            dk.index_copy_(0, dst, sk.index_select(0, src).to(dk.device))
-            dv.index_copy_(0, dst, sv.index_select(0, src).to(dv.device))
+        src, _ = cls._index(pairs, src_layers[0].k.device)
+        _, dst = cls._index(pairs, dst_layers[0].k.device)
+        for s_layer, d_layer in zip(src_layers, dst_layers, strict=True):
+            for s, d in zip(s_layer.tensors(), d_layer.tensors(), strict=True):
+                d.index_copy_(0, dst, s.index_select(0, src).to(d.device))

@@ -8,7 +8,9 @@ import random
 import pytest
 import torch
 
-from kvpage.attention import AttentionMetadata, get_backend
+from kvpage.attention import AttentionMetadata, LayerKV, get_backend
+from kvpage.attention.kv_quant import STORAGE, dequantize, quantize
+from kvpage.attention.torch_ref import write_kv
 from kvpage.ops import load
 
 
@@ -58,7 +60,7 @@ def test_ragged_batch_of_decodes_and_prefills_matches_dense(heads, kv_heads, blo
     q_in = torch.cat([q[n - new :] for (n, new), (q, _, _) in zip(shapes, full, strict=True)])
     k_in = torch.cat([k[n - new :] for (n, new), (_, k, _) in zip(shapes, full, strict=True)])
     v_in = torch.cat([v[n - new :] for (n, new), (_, _, v) in zip(shapes, full, strict=True)])
-    out = get_backend(backend).forward(q_in, k_in, v_in, k_cache, v_cache, meta, scale)
+    out = get_backend(backend).forward(q_in, k_in, v_in, LayerKV(k_cache, v_cache), meta, scale)
     assert out.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16 keeps 8 bits of mantissa
     start = 0
@@ -111,7 +113,7 @@ def test_many_decodes_of_different_lengths_are_grouped_correctly(dtype, backend)
     # the new token's K/V are the ones already at its slot (write_kv stores them again)
     k_new = torch.stack([k_cache[t[(n - 1) // bs], :, (n - 1) % bs] for t, n in zip(tables, lens, strict=True)])
     v_new = torch.stack([v_cache[t[(n - 1) // bs], :, (n - 1) % bs] for t, n in zip(tables, lens, strict=True)])
-    out = get_backend(backend).forward(q, k_new, v_new, k_cache, v_cache, meta, d**-0.5)
+    out = get_backend(backend).forward(q, k_new, v_new, LayerKV(k_cache, v_cache), meta, d**-0.5)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for i, (t, n) in enumerate(zip(tables, lens, strict=True)):
         k = k_cache[t].transpose(1, 2).flatten(0, 1)[:n].float().repeat_interleave(2, dim=1)
@@ -138,10 +140,45 @@ def test_short_chunks_after_cached_context_run_in_place_as_decodes(new):
     q_in = torch.cat([q[n - new :], q])
     k_in, v_in = torch.cat([k[n - new :], k]), torch.cat([v[n - new :], v])
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        out = get_backend("cpu").forward(q_in, k_in, v_in, k_cache, v_cache, meta, d**-0.5)
+        out = get_backend("cpu").forward(q_in, k_in, v_in, LayerKV(k_cache, v_cache), meta, d**-0.5)
     calls = {e.key: e.count for e in prof.key_averages()}
     assert calls.get("kvpage::paged_decode_attention", 0) == (1 if new <= 16 else 0)
     assert calls.get("aten::scaled_dot_product_attention", 0) == (1 if new <= 16 else 2)
     expected = dense_reference(q, k, v, d**-0.5)
     torch.testing.assert_close(out[:new], expected[n - new :], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[new:], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_a_quantized_cache_attends_to_exactly_its_dequantized_values(kind, backend):
+    """Tokens are quantized as they are written (K and V, a scale per token and kv head) and
+    dequantized as they are read; a prefill chunk with no earlier context attends its own fresh K/V."""
+    if backend == "cpu" and not load():
+        pytest.skip("no compiler for the CPU kernels")
+    heads, kv_heads, bs, d = 6, 2, 4, 64
+    g = torch.Generator().manual_seed(11)
+    shapes = [(1, 1), (37, 1), (9, 1), (23, 23), (40, 7), (18, 5)]
+    num_blocks = sum(math.ceil(n / bs) for n, _ in shapes) + 2
+    kv = LayerKV.allocate((num_blocks, kv_heads, bs, d), torch.float32, kind, "cpu")
+    free = list(range(num_blocks))[::-1]
+    full, tables = [], []
+    for n, _ in shapes:
+        full.append(tuple(torch.randn(n, h, d, generator=g) * 3 for h in (heads, kv_heads, kv_heads)))
+        tables.append([free.pop() for _ in range(math.ceil(n / bs))])
+    for (n, new), (_, k, v), table in zip(shapes, full, tables, strict=True):
+        slots = torch.tensor([table[t // bs] * bs + t % bs for t in range(n - new)], dtype=torch.int64)
+        write_kv(k[: n - new], v[: n - new], kv, slots)
+    meta = AttentionMetadata.build([new for _, new in shapes], [n for n, _ in shapes], tables, bs)
+    q_in, k_in, v_in = (
+        torch.cat([x[i][n - new :] for (n, new), x in zip(shapes, full, strict=True)]) for i in range(3)
+    )
+    out = get_backend(backend).forward(q_in, k_in, v_in, kv, meta, d**-0.5)
+    start = 0
+    for (n, new), (q, k, v) in zip(shapes, full, strict=True):
+        if new == 1 or n != new:  # a decode, or a chunk after context: all read back from the quantized cache
+            k, v = (dequantize(*quantize(x, kind), torch.float32) for x in (k, v))
+        expected = dense_reference(q, k, v, d**-0.5)[n - new :]
+        torch.testing.assert_close(out[start : start + new], expected, atol=1e-5, rtol=1e-5)
+        start += new
+    assert kv.k.dtype == STORAGE[kind] and kv.k_scale.dtype == torch.float32

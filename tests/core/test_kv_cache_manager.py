@@ -684,10 +684,13 @@ def test_stats_fields_exact():
         num_swapped_seqs=0,
         cpu_total_blocks=0,
         cpu_used_blocks=0,
+        bytes_per_block=0,  # a manager told nothing of the bytes
     )
     assert dataclasses.asdict(st) == expected
     assert st.usage == pytest.approx(2 / 11)
     finish(s)
+    told = KVCacheManager(11, 16, bytes_per_block=4352).stats()
+    assert told.bytes_per_block == 4352 and told.total_bytes == 11 * 4352 and told.used_bytes == 0
 
 
 def test_check_invariants_catches_corruption():

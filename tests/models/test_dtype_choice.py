@@ -48,4 +48,4 @@ def test_the_engine_runs_in_the_dtype_auto_picks_for_this_machine():
     expected = "bfloat16" if cpu_has_native_bf16() else "float32"
     assert engine.dtype_name == expected and engine.dtype_reason.startswith("auto: ")
     assert next(engine.runner.model.parameters()).dtype == getattr(torch, expected)
-    assert engine.kv_cache.layers[0][0].dtype == getattr(torch, expected)
+    assert engine.kv_cache.layers[0].k.dtype == getattr(torch, expected)

@@ -71,7 +71,8 @@ VLLM_NAMES = [  # vllm:X in vLLM is kvpage:X here, same type, unit and meaning, 
 ]  # fmt: skip
 OWN_NAMES = ['kvpage:kv_cache_blocks{state="free"}', 'kvpage:kv_cache_blocks{state="used"}',
              'kvpage:kv_cache_blocks{state="cached"}', 'kvpage:kv_cache_blocks{state="shared"}',
-             "kvpage:prefix_cache_hit_rate", "kvpage:num_requests_swapped"]  # fmt: skip
+             "kvpage:prefix_cache_hit_rate", "kvpage:num_requests_swapped", 'kvpage:kv_cache_bytes{state="total"}',
+             'kvpage:kv_cache_bytes{state="used"}']  # fmt: skip
 
 
 def test_metrics_have_vllms_names_and_units_and_move(server):
@@ -111,6 +112,8 @@ def test_metrics_have_vllms_names_and_units_and_move(server):
     assert after["kvpage:prefix_cache_hits_total"] > before["kvpage:prefix_cache_hits_total"]  # shared system prompt
     assert after["kvpage:prefix_cache_queries_total"] > after["kvpage:prefix_cache_hits_total"]
     assert after['kvpage:kv_cache_blocks{state="cached"}'] > 0
+    st = server.engine.cache_stats()  # the bytes /metrics reports are the engine's (core/kv_bytes.py)
+    assert after['kvpage:kv_cache_bytes{state="total"}'] == st.total_blocks * st.bytes_per_block > 0
     assert_pool_free(server)  # and the metrics hold nothing for the aborted request
 
 

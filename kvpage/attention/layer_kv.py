@@ -1,0 +1,47 @@
+"""`LayerKV`: one layer's paged KV cache as the attention backends read and write it.
+
+K and V of every block, [num_blocks, num_kv_heads, block_size, head_dim], and, when the KV dtype
+is quantized (int8 / fp8, see kv_quant.py), their scales, [num_blocks, num_kv_heads, block_size]
+float32: one per token and kv head. The scales are indexed by block like the values, so whatever
+moves a block (copy-on-write, swap) moves them too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpage.attention.kv_quant import STORAGE
+from kvpage.core.kv_bytes import QUANTIZED_KV_DTYPES
+
+
+@dataclass(slots=True)
+class LayerKV:
+    """One layer's cache: K and V of every block, and their scales when quantized."""
+
+    k: torch.Tensor  # [num_blocks, kv_heads, block_size, head_dim]
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None  # [num_blocks, kv_heads, block_size] float32, quantized only
+    v_scale: torch.Tensor | None = None
+    kind: str = "auto"  # "auto" (values in the compute dtype), "int8" or "fp8"
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor indexed by block, as raw bytes where torch cannot copy the dtype itself."""
+        out = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
+        return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in out]
+
+    @classmethod
+    def allocate(cls, shape: tuple[int, ...], dtype: torch.dtype, kind: str, device, pin: bool = False) -> LayerKV:
+        def zeros(s, d):
+            return torch.zeros(s, dtype=d, device=device, pin_memory=pin)
+
+        if kind not in QUANTIZED_KV_DTYPES:
+            return cls(zeros(shape, dtype), zeros(shape, dtype))
+        store = STORAGE[kind]
+        return cls(zeros(shape, store), zeros(shape, store), zeros(shape[:3], torch.float32),
+                   zeros(shape[:3], torch.float32), kind)  # fmt: skip

@@ -1,0 +1,27 @@
+"""What one token (and one block) of KV cache costs in bytes, for every KV dtype: the one formula
+used by the engine to size its pool, by `CacheStats`, by `/metrics` and by `kvpage estimate`.
+
+    bytes per token = 2 (K and V) x layers x kv_heads x (head_dim x element bytes + scale bytes)
+
+float32 / bfloat16 / float16 blocks hold the values themselves (no scale). int8 and fp8
+(float8_e4m3fn) blocks hold one byte per value plus one float32 scale per token, kv head and K or V
+(see kvpage/attention/kv_quant.py for why per token): for a head_dim of 64, 68 bytes against
+bfloat16's 128, so a pool of the same bytes holds 1.88x the blocks of bfloat16, 3.76x those of float32.
+"""
+
+from __future__ import annotations
+
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8": 1}
+SCALE_BYTES = {"int8": 4, "fp8": 4}  # one float32 scale per token and kv head, for K and for V
+QUANTIZED_KV_DTYPES = ("int8", "fp8")
+KV_CACHE_DTYPES = ("auto", *QUANTIZED_KV_DTYPES)  # "auto": the model's dtype
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, kv_dtype: str) -> int:
+    if kv_dtype not in ELEMENT_BYTES:
+        raise ValueError(f"unknown KV dtype {kv_dtype!r}; known: {', '.join(ELEMENT_BYTES)}")
+    return 2 * layers * kv_heads * (head_dim * ELEMENT_BYTES[kv_dtype] + SCALE_BYTES.get(kv_dtype, 0))
+
+
+def kv_bytes_per_block(layers: int, kv_heads: int, head_dim: int, kv_dtype: str, block_size: int) -> int:
+    return kv_bytes_per_token(layers, kv_heads, head_dim, kv_dtype) * block_size

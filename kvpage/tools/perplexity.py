@@ -1,0 +1,96 @@
+"""Perplexity of the model through the engine, on real English text that is already on the machine.
+
+The text (`english_corpus`): Python's own LICENSE.txt, then the docstrings of a fixed list of
+standard-library modules and of their public classes and functions (those over 200 characters),
+in a fixed order: ~190k characters, ~45k SmolLM2 tokens, with no download. It depends only on the
+Python version, which the results record beside a digest of the text.
+
+`perplexity` cuts the tokens into non-overlapping windows, sends each as a prompt with
+`prompt_logprobs=0` and `max_tokens=1`, and averages the negative log-likelihood of every token
+but each window's first: what the engine really computes, including chunked prefill (set
+`max_num_batched_tokens` below the window so later chunks read earlier ones back from the paged
+cache, as they will when the cache is quantized).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import math
+import sysconfig
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+CORPUS_MODULES = (
+    "argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses", "datetime", "decimal", "email",
+    "functools", "heapq", "inspect", "itertools", "json", "logging", "pathlib", "pickle", "random", "re",
+    "shutil", "socket", "sqlite3", "statistics", "string", "subprocess", "tarfile", "textwrap", "threading",
+    "typing", "unittest", "urllib.parse", "zipfile",
+)  # fmt: skip
+
+
+def english_corpus() -> str:
+    """Real English prose from the installed Python, the same on every machine with its version."""
+    parts = []
+    license_file = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
+    if license_file.exists():
+        parts.append(license_file.read_text(encoding="utf-8"))
+    for name in CORPUS_MODULES:
+        module = importlib.import_module(name)
+        root = name.split(".")[0]
+        parts.append(inspect.getdoc(module) or "")
+        for attr, obj in sorted(vars(module).items()):
+            if attr.startswith("_") or not (inspect.isclass(obj) or inspect.isfunction(obj)):
+                continue
+            with warnings.catch_warnings():  # typing's deprecated aliases (typing.io) warn when read
+                warnings.simplefilter("ignore", DeprecationWarning)
+                if not str(getattr(obj, "__module__", "")).startswith(root):
+                    continue  # re-exported from elsewhere: counted there, or not at all
+                doc = inspect.getdoc(obj)
+            if doc and len(doc) > 200:
+                parts.append(doc)
+    return "\n\n".join(p for p in parts if p)
+
+
+def corpus_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+@dataclass(slots=True)
+class PerplexityResult:
+    perplexity: float
+    nll_sum: float
+    tokens: int  # tokens scored (every window's first token is not)
+    windows: int
+
+    @property
+    def mean_nll(self) -> float:
+        return self.nll_sum / self.tokens
+
+
+def windows_of(token_ids: list[int], window: int) -> list[list[int]]:
+    """Non-overlapping windows; a last one shorter than 2 tokens is dropped (nothing to score)."""
+    if window < 2:
+        raise ValueError(f"window must be at least 2 tokens, got {window}")
+    out = [token_ids[i : i + window] for i in range(0, len(token_ids), window)]
+    return [w for w in out if len(w) >= 2]
+
+
+def perplexity(llm, token_ids: list[int], window: int = 1024) -> PerplexityResult:
+    """exp(mean NLL) of `token_ids` scored by `llm` (a kvpage LLM) window by window."""
+    from kvpage.sampling_params import SamplingParams
+
+    wins = windows_of(token_ids, window)
+    if not wins:
+        raise ValueError("no window of at least 2 tokens to score")
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    nll, count = 0.0, 0
+    for out, win in zip(llm.generate(wins, params, use_tqdm=False), wins, strict=True):
+        positions = out.prompt_logprobs
+        assert positions is not None and len(positions) == len(win), "the engine returned no prompt logprobs"
+        for tok, pos in zip(win[1:], positions[1:], strict=True):
+            nll -= pos[tok].logprob
+            count += 1
+    return PerplexityResult(math.exp(nll / count), nll, count, len(wins))
