@@ -7,6 +7,8 @@ reads it again). Prefill chunks are compute-bound and stay on torch's fused SDPA
 path), except a short chunk after cached context (the tail of a prompt whose prefix hit the cache,
 or a small chunked-prefill step): each of its queries is attended as a decode whose length stops
 at its own position, in place through the block table, instead of gathering the whole context.
+An int8 cache is read the same way, each block widened times its tokens' scales as it is loaded
+(and written quantized by the kernel, byte for byte as kv_quant.py does).
 Chosen by `attention_backend="auto"` on the CPU wherever the kernels build; the reference backend
 remains the fallback, and says so once.
 """
@@ -32,30 +34,43 @@ class CpuPagedBackend(TorchReferenceBackend):
         super().__init__()
         if not load():
             raise RuntimeError(f"the 'cpu' attention backend needs kvpage's CPU kernels: {unavailable_reason()}")
-        self._decode = torch.ops.kvpage.paged_decode_attention
-        self._write = torch.ops.kvpage.write_kv
+        ops = torch.ops.kvpage
+        self._decode, self._decode_int8 = ops.paged_decode_attention, ops.paged_decode_attention_int8
+        self._write, self._write_int8 = ops.write_kv, ops.write_kv_int8
 
     def write(self, k, v, kv: LayerKV, slots) -> None:
-        if not _kernel_reads(kv):
+        if not _kernel_reads(kv, k.dtype):
             return super().write(k, v, kv, slots)
-        self._write(k, v, kv.k, kv.v, slots)
+        if kv.quantized:
+            self._write_int8(k, v, kv.k, kv.v, kv.k_scale, kv.v_scale, slots)
+        else:
+            self._write(k, v, kv.k, kv.v, slots)
 
     def decodes(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
-        if not _kernel_reads(kv):
+        if not _kernel_reads(kv, q.dtype):
             return super().decodes(out, q, kv, meta, scale)
         n = meta.num_decodes
-        self._decode(out[:n], q[:n], kv.k, kv.v, meta.block_tables, meta.seq_lens, scale)
+        self._decode_in_place(out[:n], q[:n], kv, meta.block_tables, meta.seq_lens, scale)
 
     def prefill_chunk(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> None:
         m, n = q.shape[0], meta.seq_lens_list[i]
-        if not _kernel_reads(kv) or m == n or m > SHORT_CHUNK:
+        if not _kernel_reads(kv, q.dtype) or m == n or m > SHORT_CHUNK:
             return super().prefill_chunk(out, q, k, v, kv, meta, i, scale)
         # query r sits at position n - m + r and sees the keys 0 .. n - m + r: a decode of that length
         tables = meta.block_tables[i : i + 1].expand(m, -1)
         lens = torch.arange(n - m + 1, n + 1, dtype=torch.int64, device=q.device)
-        self._decode(out, q, kv.k, kv.v, tables, lens, scale)
+        self._decode_in_place(out, q, kv, tables, lens, scale)
+
+    def _decode_in_place(self, out, q, kv: LayerKV, tables, lens, scale: float) -> None:
+        if kv.quantized:
+            self._decode_int8(out, q, kv.k, kv.v, kv.k_scale, kv.v_scale, tables, lens, scale)
+        else:
+            self._decode(out, q, kv.k, kv.v, tables, lens, scale)
 
 
-def _kernel_reads(kv: LayerKV) -> bool:
-    """The kernels read float32 / bfloat16 caches; a quantized one takes the reference path (for now)."""
-    return not kv.quantized and kv.k.dtype in KERNEL_DTYPES
+def _kernel_reads(kv: LayerKV, dtype: torch.dtype) -> bool:
+    """The kernels take float32 / bfloat16 queries over a cache of the same dtype or of int8 (with its
+    scales); fp8 caches take the reference path."""
+    if dtype not in KERNEL_DTYPES:
+        return False
+    return kv.kind == "int8" if kv.quantized else kv.k.dtype == dtype

@@ -118,3 +118,47 @@ def test_kernels_reject_bad_input_by_name():
         )
     with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
         k.silu_mul(torch.zeros(2, 4, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_write_stores_the_same_bytes_as_the_reference(dtype):
+    from kvpage.attention import LayerKV
+    from kvpage.attention.torch_ref import write_kv
+
+    g = torch.Generator().manual_seed(4)
+    k = (torch.randn(9, 3, 64, generator=g) * torch.logspace(-2, 2, 9)[:, None, None]).to(dtype)
+    v = torch.randn(9, 3, 64, generator=g).to(dtype)
+    k[2, 1] = 0.0  # an all-zero row: the smallest scale, zeros stored
+    slots = torch.tensor([0, 5, 9, 13, 17, 18, 30, 31, 2])
+    ours, ref = (LayerKV.allocate((8, 3, 4, 64), dtype, "int8", "cpu") for _ in range(2))
+    torch.ops.kvpage.write_kv_int8(k, v, ours.k, ours.v, ours.k_scale, ours.v_scale, slots)
+    write_kv(k, v, ref, slots)
+    for a, b in zip(ours.tensors(), ref.tensors(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="scales must be contiguous float32"):
+        torch.ops.kvpage.write_kv_int8(k, v, ours.k, ours.v, ours.k_scale.double(), ours.v_scale, slots)
+    with pytest.raises(RuntimeError, match="an int8 cache must be int8"):
+        torch.ops.kvpage.write_kv_int8(k, v, ours.k.float(), ours.v.float(), ours.k_scale, ours.v_scale, slots)
+
+
+def test_the_cpu_backend_reads_int8_in_place_and_fp8_on_the_reference_path():
+    from kvpage.attention import AttentionMetadata, LayerKV, get_backend
+
+    g = torch.Generator().manual_seed(5)
+    backend = get_backend("cpu")
+    for kind, kernel_calls in (("int8", 1), ("fp8", 0)):
+        kv = LayerKV.allocate((6, 2, 4, 32), torch.float32, kind, "cpu")
+        q, k, v = (
+            torch.randn(2, 4, 32, generator=g),
+            torch.randn(2, 2, 32, generator=g),
+            torch.randn(2, 2, 32, generator=g),
+        )
+        meta = AttentionMetadata.build([1, 1], [3, 9], [[0], [1, 2, 3]], 4)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = backend.forward(q, k, v, kv, meta, 32**-0.5)
+        calls = {e.key: e.count for e in prof.key_averages()}
+        assert calls.get("kvpage::paged_decode_attention_int8", 0) == kernel_calls, kind
+        assert calls.get("kvpage::write_kv_int8", 0) == kernel_calls, kind
+        ref = get_backend("torch").forward(q, k, v, LayerKV.allocate((6, 2, 4, 32), torch.float32, kind, "cpu"),
+                                           meta, 32**-0.5)  # fmt: skip
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -53,6 +53,30 @@ inline void from_float(const float* src, c10::BFloat16* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = c10::BFloat16(src[i]);  // round to nearest even
 }
 
+// cnt rows of D int8 values, each times its own scale, to float (an int8 KV block read back)
+inline void widen_int8(const int8_t* src, const float* scales, float* dst, int64_t cnt, int64_t D) {
+  for (int64_t t = 0; t < cnt; ++t) {
+    const int8_t* r = src + t * D;
+    float* d = dst + t * D;
+    const float sc = scales[t];
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 sv = _mm512_set1_ps(sc);
+    for (; i + 16 <= D; i += 16) {
+      const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i)));
+      _mm512_storeu_ps(d + i, _mm512_mul_ps(_mm512_cvtepi32_ps(w), sv));
+    }
+#elif defined(__AVX2__)
+    const __m256 sv = _mm256_set1_ps(sc);
+    for (; i + 8 <= D; i += 8) {
+      const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + i)));
+      _mm256_storeu_ps(d + i, _mm256_mul_ps(_mm256_cvtepi32_ps(w), sv));
+    }
+#endif
+    for (; i < D; ++i) d[i] = static_cast<float>(r[i]) * sc;
+  }
+}
+
 // exp over a float array, vectorised where AVX2 is: the Cephes single-precision scheme (x = n ln2 + r,
 // a degree-5 polynomial in r, times 2^n), within 2 ulp of expf over the range softmax and SiLU use.
 #if defined(__AVX2__) && defined(__FMA__)
@@ -196,24 +220,26 @@ inline void block_accumulate(float* acc, int64_t G, int64_t D, const float* v, i
     }
 }
 
-template <typename T>
+// T: the dtype of q and out; C: the cache's (T itself, or int8 with a float scale per token and kv head
+// in ks / vs, [blocks, kv_heads, block_size]).
+template <typename T, typename C = T>
 void decode_impl(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& bt,
-                 const Tensor& lens, double scale) {
+                 const Tensor& lens, double scale, const float* ksp = nullptr, const float* vsp = nullptr) {
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = kc.size(1), BS = kc.size(2), G = H / KVH;
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const T* kp = kc.data_ptr<T>();
-  const T* vp = vc.data_ptr<T>();
+  const C* kp = kc.data_ptr<C>();
+  const C* vp = vc.data_ptr<C>();
   const int64_t* btp = bt.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const int64_t bts = bt.stride(0), num_blocks = kc.size(0);
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
-    // kf/vf: one block of K/V in float32 (bfloat16 caches are widened once per block)
+    // kf/vf: one block of K/V in float32 (bfloat16 and int8 caches are widened once per block)
     std::vector<float> qf(G * D), acc(G * D), m(G), l(G), sc(G * BS), kf, vf;
-    if constexpr (!std::is_same_v<T, float>) kf.resize(BS * D), vf.resize(BS * D);
+    if constexpr (!std::is_same_v<C, float>) kf.resize(BS * D), vf.resize(BS * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / KVH, h = task % KVH, n = lp[s];
       for (int64_t g = 0; g < G; ++g) {
@@ -228,8 +254,13 @@ void decode_impl(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& v
         TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id ", blk, " out of range");
         const int64_t base = (blk * KVH + h) * BS * D;
         const float *kb, *vb;
-        if constexpr (std::is_same_v<T, float>) {
+        if constexpr (std::is_same_v<C, float>) {
           kb = kp + base, vb = vp + base;
+        } else if constexpr (std::is_same_v<C, int8_t>) {
+          const int64_t sbase = (blk * KVH + h) * BS;
+          widen_int8(kp + base, ksp + sbase, kf.data(), cnt, D);
+          widen_int8(vp + base, vsp + sbase, vf.data(), cnt, D);
+          kb = kf.data(), vb = vf.data();
         } else {
           to_float(kp + base, kf.data(), cnt * D);
           to_float(vp + base, vf.data(), cnt * D);
@@ -261,12 +292,12 @@ void decode_impl(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& v
   });
 }
 
-void paged_decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables,
-                            Tensor seq_lens, double scale) {
+void check_decode(const Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                  const Tensor& block_tables, const Tensor& seq_lens) {
   check_cache(k_cache, v_cache, "k_cache");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q must be [seqs, heads, head_dim] with contiguous heads");
   TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.stride(1) == out.size(2), "out must match q");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(), "q, out and the cache must share a dtype");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "q and out must share a dtype");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0, "q heads do not match the cache");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "block_tables and seq_lens must be int64");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 && block_tables.size(0) >= q.size(0), "block_tables must be [seqs, width]");
@@ -274,7 +305,33 @@ void paged_decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache
   const int64_t* lp = seq_lens.data_ptr<int64_t>();
   for (int64_t s = 0; s < q.size(0); ++s)
     TORCH_CHECK(lp[s] > 0 && lp[s] <= block_tables.size(1) * k_cache.size(2), "sequence ", s, " length ", lp[s], " exceeds its block table");
+}
+
+void paged_decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables,
+                            Tensor seq_lens, double scale) {
+  check_decode(out, q, k_cache, v_cache, block_tables, seq_lens);
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q, out and the cache must share a dtype");
   dispatch_float(q.scalar_type(), "paged_decode_attention", [&](auto tag) { decode_impl<decltype(tag)>(out, q, k_cache, v_cache, block_tables, seq_lens, scale); });
+}
+
+void check_scales(const Tensor& cache, const Tensor& ks, const Tensor& vs) {
+  TORCH_CHECK(cache.scalar_type() == at::kChar, "an int8 cache must be int8");
+  for (const Tensor* t : {&ks, &vs})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == cache.size(0) &&
+                    t->size(1) == cache.size(1) && t->size(2) == cache.size(2),
+                "scales must be contiguous float32 [blocks, kv_heads, block_size]");
+}
+
+// The same over an int8 cache: each key / value row is widened times its token's scale as its block is read.
+void paged_decode_attention_int8(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, Tensor v_scale,
+                                 Tensor block_tables, Tensor seq_lens, double scale) {
+  check_decode(out, q, k_cache, v_cache, block_tables, seq_lens);
+  check_scales(k_cache, k_scale, v_scale);
+  const float* ks = k_scale.data_ptr<float>();
+  const float* vs = v_scale.data_ptr<float>();
+  dispatch_float(q.scalar_type(), "paged_decode_attention_int8", [&](auto tag) {
+    decode_impl<decltype(tag), int8_t>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, ks, vs);
+  });
 }
 
 // --- K/V write: k, v [T, KVH, D] (rows may be strided) -> cache slot s = block * B + offset ----
@@ -298,13 +355,49 @@ void write_impl(const Tensor& k, const Tensor& v, Tensor& kc, Tensor& vc, const 
   }
 }
 
-void write_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_mapping) {
+void check_write(const Tensor& k, const Tensor& v, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slot_mapping) {
   check_cache(k_cache, v_cache, "k_cache");
   TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1 && k.sizes() == v.sizes(), "k and v must be [tokens, kv_heads, head_dim]");
   TORCH_CHECK(k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(3), "k does not match the cache");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type(), "k, v and the cache must share a dtype");
+  TORCH_CHECK(v.scalar_type() == k.scalar_type(), "k and v must share a dtype");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == k.size(0), "slot_mapping must be int64, one per token");
+}
+
+void write_kv(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor slot_mapping) {
+  check_write(k, v, k_cache, v_cache, slot_mapping);
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type(), "k, v and the cache must share a dtype");
   dispatch_float(k.scalar_type(), "write_kv", [&](auto tag) { write_impl<decltype(tag)>(k, v, k_cache, v_cache, slot_mapping); });
+}
+
+// int8 K/V write: per token and kv head, scale = max|x| / 127 (at least 1e-12 / 127), q = round-half-even(x / scale):
+// the same operations, in the same float32 order, as kvpage/attention/kv_quant.py, so both write the same bytes.
+template <typename T>
+void write_int8_impl(const Tensor& k, const Tensor& v, Tensor& kc, Tensor& vc, Tensor& ks, Tensor& vs, const Tensor& slots) {
+  const int64_t T_ = k.size(0), KVH = k.size(1), D = k.size(2), BS = kc.size(2), NB = kc.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  std::vector<float> row(D);
+  for (int64_t i = 0; i < T_; ++i) {
+    const int64_t blk = sp[i] / BS, off = sp[i] % BS;
+    TORCH_CHECK(sp[i] >= 0 && blk < NB, "slot ", sp[i], " out of range");
+    for (int64_t h = 0; h < KVH; ++h) {
+      for (int which = 0; which < 2; ++which) {
+        const Tensor& x = which ? v : k;
+        to_float(x.data_ptr<T>() + i * x.stride(0) + h * x.stride(1), row.data(), D);
+        float amax = 0.f;
+        for (int64_t c = 0; c < D; ++c) amax = std::max(amax, std::fabs(row[c]));
+        const float sc = std::max(amax, 1e-12f) / 127.f;
+        int8_t* dst = (which ? vc : kc).data_ptr<int8_t>() + ((blk * KVH + h) * BS + off) * D;
+        for (int64_t c = 0; c < D; ++c) dst[c] = static_cast<int8_t>(std::clamp(std::nearbyint(row[c] / sc), -127.f, 127.f));
+        (which ? vs : ks).data_ptr<float>()[(blk * KVH + h) * BS + off] = sc;
+      }
+    }
+  }
+}
+
+void write_kv_int8(Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, Tensor k_scale, Tensor v_scale, Tensor slot_mapping) {
+  check_write(k, v, k_cache, v_cache, slot_mapping);
+  check_scales(k_cache, k_scale, v_scale);
+  dispatch_float(k.scalar_type(), "write_kv_int8", [&](auto tag) { write_int8_impl<decltype(tag)>(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping); });
 }
 
 // --- the small per-layer ops, fused; rows in parallel ------------------------------------------
@@ -782,6 +875,8 @@ Tensor linear_quant(Tensor x, Tensor q, Tensor scales, std::optional<Tensor> min
 TORCH_LIBRARY(kvpage, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> ()");
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("paged_decode_attention_int8(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, Tensor v_scale, Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+  m.def("write_kv_int8(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads, int head_dim) -> ()");
@@ -794,6 +889,8 @@ TORCH_LIBRARY(kvpage, m) {
 TORCH_LIBRARY_IMPL(kvpage, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("write_kv", &write_kv);
+  m.impl("paged_decode_attention_int8", &paged_decode_attention_int8);
+  m.impl("write_kv_int8", &write_kv_int8);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_", &rope_);
