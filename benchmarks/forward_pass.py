@@ -10,7 +10,7 @@ The ratio forward/bound is the figure; the attention share is the time inside th
 Also the load time of the model: from our conversion cache, converting the GGUF afresh, and
 transformers' own GGUF loader (the oracle), in the same run.
 
-    python benchmarks/forward_pass.py [--repeat 3] [--no-transformers] [--no-results]
+    python benchmarks/forward_pass.py [--repeat 3] [--no-transformers] [--no-results] [--kv-cache-dtypes auto,int8]
 """
 
 from __future__ import annotations
@@ -70,16 +70,22 @@ def step_for(kind: str, batch: int, mgr: KVCacheManager) -> SchedulerOutput:
     return SchedulerOutput(seqs)
 
 
-def measure(lm, kind: str, batch: int, repeat: int) -> dict:
+def measure(lm, kind: str, batch: int, repeat: int, kv_cache_dtype: str = "auto") -> dict:
     model, cfg = lm.model, lm.config
     dtype = next(model.parameters()).dtype
     tokens = batch if kind == "decode" else PREFILL
     num_blocks = (batch * (CONTEXT + 1) if kind == "decode" else PREFILL) // BLOCK + batch + 2
     mgr = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=False)
-    kv = KVCache(cfg, num_blocks, BLOCK, dtype)
+    kv = KVCache(cfg, num_blocks, BLOCK, dtype, kv_cache_dtype=kv_cache_dtype)
     for layer in kv.layers:  # any values do: the cost of attention does not depend on them
-        layer.k.normal_()
-        layer.v.normal_()
+        if layer.quantized:
+            for t in (layer.k, layer.v):
+                t.view(torch.uint8).random_(0, 100)
+            layer.k_scale.fill_(0.01)
+            layer.v_scale.fill_(0.01)
+        else:
+            layer.k.normal_()
+            layer.v.normal_()
     step = step_for(kind, batch, mgr)
     inputs = build_inputs(step.sequences, BLOCK, "cpu")
     timed = TimedBackend(model.layers[0].self_attn.backend)
@@ -156,6 +162,7 @@ def main() -> None:
     ap.add_argument("--backends", default="cpu,torch", help="attention backends to compare (default cpu,torch)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="dtypes (default float32,bfloat16)")
     ap.add_argument("--weight-dtype", choices=["int8", "int4"], default=None, help="weight-only quantization")
+    ap.add_argument("--kv-cache-dtypes", default="auto", help="KV dtypes to compare, e.g. auto,int8 (default auto)")
     ap.add_argument("--context", type=int, default=CONTEXT, help=f"cached tokens per decode (default {CONTEXT})")
     ap.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)), help="decode batch sizes")
     args = ap.parse_args()
@@ -168,9 +175,10 @@ def main() -> None:
         for dtype in args.dtypes.split(","):
             lm = load_model("smollm2", dtype=dtype, backend=backend, weight_dtype=args.weight_dtype)
             shapes = [("decode", b) for b in DECODE_BATCHES] + [("prefill", 1)]
-            for kind, batch in shapes:
+            for (kind, batch), kv_dtype in ((sh, kvd) for sh in shapes for kvd in args.kv_cache_dtypes.split(",")):
                 label = f"{dtype}, {args.weight_dtype} weights" if args.weight_dtype else dtype
-                r = measure(lm, kind, batch, args.repeat) | {"dtype": label, "backend": backend}
+                label += f", {kv_dtype} KV" if kv_dtype != "auto" else ""
+                r = measure(lm, kind, batch, args.repeat, kv_dtype) | {"dtype": label, "backend": backend}
                 rows.append(r)
                 shape = f"decode batch {batch}, context {CONTEXT}" if kind == "decode" else f"prefill {PREFILL}"
                 lines.append(

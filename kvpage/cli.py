@@ -34,6 +34,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default=None, help="memory for the KV cache, e.g. 512MiB (default 512MiB)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="size the KV cache in blocks instead")
     g.add_argument("--swap-space", default="0", help="CPU memory for swapped-out blocks, e.g. 1GiB (default 0)")
+    g.add_argument("--cpu-offload-memory", default="0",
+                   help="a CPU tier for the prefix cache, e.g. 2GiB: evicted prefix blocks are kept there and "
+                   "brought back on a hit instead of recomputed (default 0: none)")  # fmt: skip
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once (default 256)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (default 2048)")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
@@ -48,6 +51,7 @@ def _make_llm(args: argparse.Namespace):
     from kvpage import LLM
 
     kw = dict(dtype=args.dtype, block_size=args.block_size, swap_space=args.swap_space,
+              cpu_offload_memory=args.cpu_offload_memory,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
               seed=args.seed, weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype,

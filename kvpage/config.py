@@ -37,6 +37,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     swap_space: int | str = 0  # bytes of CPU memory for swapped-out blocks
+    cpu_offload_memory: int | str = 0  # bytes of the CPU tier that keeps evicted prefix-cache blocks
     preemption_mode: str | None = None  # "recompute", "swap", or None: swap when it fits, else recompute
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -60,6 +61,9 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
         self.swap_space = parse_bytes(self.swap_space, "swap_space")
+        self.cpu_offload_memory = parse_bytes(self.cpu_offload_memory, "cpu_offload_memory")
+        if self.cpu_offload_memory and not self.enable_prefix_caching:
+            raise ValueError("cpu_offload_memory is a tier of the prefix cache: it needs enable_prefix_caching")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.weight_dtype not in (None, "int8", "int4"):

@@ -5,7 +5,8 @@ does the bookkeeping. Token t of a sequence lives in slot `block_table[t // B] *
 
 Freed blocks join the tail of the free queue and new blocks come from its head, so the block that
 has been free the longest is reused first. A freed block that still carries a cache key stays a
-prefix-cache hit until it reaches the head and is handed out again (its key is evicted then).
+prefix-cache hit until it reaches the head and is handed out again (its key is evicted then;
+`on_evict` is the one point where eviction is announced, which the CPU tier listens to).
 A sequence frees its blocks tail first, so the ends of sequences are evicted before shared heads.
 
 The counters (`num_cached_free`, `num_shared`, `num_used_tokens`) are kept up to date on every
@@ -14,7 +15,7 @@ transition so statistics are O(1); `KVCacheManager.check_invariants` recomputes 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvpage.core.free_block_queue import FreeBlockQueue
@@ -39,6 +40,7 @@ class BlockPool:
     serve hits (the CPU swap pool, or the GPU pool with prefix caching off)."""
 
     def __init__(self, num_blocks: int, block_size: int, prefix_cache: PrefixCache | None = None):
+        self.on_evict: Callable[[Block], None] | None = None  # told of a registered block about to be reused
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if block_size < 1:
@@ -73,6 +75,8 @@ class BlockPool:
             block = self.free_queue.popleft()
             if block.cache_key is not None:
                 self.num_cached_free -= 1
+                if self.on_evict is not None:  # its KV is still intact: the CPU tier may keep a copy
+                    self.on_evict(block)
                 if self.prefix_cache is not None:
                     self.prefix_cache.evict(block)
                 block.cache_key = None

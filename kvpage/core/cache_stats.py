@@ -25,6 +25,9 @@ class CacheStats:
     cpu_total_blocks: int
     cpu_used_blocks: int
     bytes_per_block: int = 0  # K, V and (quantized) their scales of every layer; core/kv_bytes.py
+    tier_total_blocks: int = 0  # the CPU tier of the prefix cache
+    tier_cached_blocks: int = 0  # tier blocks holding a copy of an evicted prefix block
+    tier_hit_tokens: int = 0  # of prefix_hit_tokens, those brought back from the CPU tier
 
     @property
     def total_bytes(self) -> int:

@@ -9,7 +9,8 @@ What the scheduler calls (plain data in, plain data out):
     commit() / discard_uncommitted()                      the step ran / the step failed
     free(seq_id)
 
-and, for parallel sampling, beam search and preemption: `fork`, `swap_out`, `swap_in`. The manager
+and, for parallel sampling, beam search and preemption: `fork`, `swap_out`, `swap_in`. With a CPU
+tier (`num_tier_blocks`), `take_tier_transfers()` hands the scheduler each step's copies. The manager
 owns blocks, not tokens: token ids belong to the request and are passed in where content matters
 (hashing a full block). A block table grows one block at a time; nothing is reserved up to a
 maximum length. Each sequence's table obeys
@@ -23,6 +24,14 @@ KV is scheduled, so a sequence admitted later in the same step hits it. That is 
 layer writes all of a step's new K/V before any sequence attends. Registrations wait in an
 "uncommitted" list until `commit()`; if the step fails, `discard_uncommitted()` forgets them so no
 one can hit a block whose KV was never written.
+
+The CPU tier of the prefix cache: when the pool hands out a registered block whose KV a committed
+step wrote (`BlockPool.on_evict`), the manager copies it into a tier block under the same key (the
+tier is a pool of its own whose blocks all sit free and registered, so its LRU queue evicts the
+oldest copy). A lookup that misses in the pool asks the tier; a tier hit takes a fresh pool block,
+registered at once (uncommitted, like a block the step computes), and a (tier, pool) copy that the
+worker runs before the step, after the step's offloads. A tier block read this step is pinned
+(referenced) until the step ends, so no offload of the same step can overwrite it.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ class CachedPrefix:
     num_tokens: int  # tokens covered: len(block_ids) * block_size
     num_query_tokens: int  # length of the prompt that was looked up
     cache_salt: str | None = None
+    tier_block_ids: dict[int, int] = field(default_factory=dict)  # index -> tier block (block_ids holds -1)
 
 
 @dataclass(slots=True)
@@ -92,6 +102,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
         bytes_per_block: int = 0,  # what one block costs (kv_bytes.py), for CacheStats; 0: not known
+        num_tier_blocks: int = 0,  # the CPU tier of the prefix cache (prefix caching only)
     ) -> None:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
@@ -105,6 +116,13 @@ class KVCacheManager:
         self._num_logical = 0  # sum of GPU block-table lengths
         self._num_swapped = 0
         self._uncommitted: list[Block] = []  # registered by the step being run
+        self.tier = BlockPool(num_tier_blocks, block_size, PrefixCache()) if self.prefix_cache is not None else None
+        if self.tier is not None and self.tier.num_total:
+            self.pool.on_evict = self._offload
+        self._offloads: list[tuple[int, int]] = []  # (pool block, tier block) copies for the step
+        self._restores: list[tuple[int, int]] = []  # (tier block, pool block)
+        self._pinned: list[Block] = []  # tier blocks read by the step
+        self.num_tier_hit_tokens = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -147,8 +165,11 @@ class KVCacheManager:
             digest = hash_block(parent, chunk, extra_keys_for(i, cache_salt))
             block = self.prefix_cache.lookup(digest, chunk)
             if block is None:
-                break
-            prefix.block_ids.append(block.block_id)
+                tier_block = self.tier.prefix_cache.lookup(digest, chunk) if self.tier is not None else None
+                if tier_block is None:
+                    break
+                prefix.tier_block_ids[i] = tier_block.block_id
+            prefix.block_ids.append(block.block_id if block is not None else -1)
             prefix.block_hashes.append(digest)
             parent = digest
         prefix.num_tokens = len(prefix.block_ids) * bs
@@ -179,6 +200,31 @@ class KVCacheManager:
     def commit(self) -> None:
         """The scheduled step ran: every block registered for it now holds its KV."""
         self._uncommitted.clear()
+        self._unpin()
+
+    def take_tier_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The step's (pool, tier) offload copies and (tier, pool) restore copies, in that order."""
+        out = (self._offloads, self._restores)
+        self._offloads, self._restores = [], []
+        return out
+
+    def _offload(self, block: Block) -> None:
+        """`block` is about to be reused: keep a copy of its KV in the tier (if it was ever written)."""
+        key = block.cache_key
+        tier = self.tier
+        if key is None or tier is None or block in self._uncommitted or not tier.num_free:
+            return  # an uncommitted block's KV is not written yet; a tier whose blocks are all being read is full
+        if tier.prefix_cache.lookup(key.digest, key.token_ids) is not None:
+            return
+        (tb,) = tier.allocate(1)  # the oldest copy makes room
+        tier.prefix_cache.register(tb, key)
+        tier.decref(tb)  # free and registered: hittable until the tier hands it out again
+        self._offloads.append((block.block_id, tb.block_id))
+
+    def _unpin(self) -> None:
+        for tb in self._pinned:
+            self.tier.decref(tb)  # type: ignore[union-attr]
+        self._pinned.clear()
 
     def discard_uncommitted(self) -> None:
         """The scheduled step failed: forget the blocks registered for it (their KV was never written).
@@ -186,6 +232,7 @@ class KVCacheManager:
         for block in self._uncommitted:
             if block.cache_key is not None:
                 self.pool.uncache(block)
+        self._unpin()
         for seq in self._seqs.values():  # re-registration must start where the valid blocks end
             while seq.num_registered and self.pool.blocks[seq.block_ids[seq.num_registered - 1]].cache_key is None:
                 seq.num_registered -= 1
@@ -214,7 +261,7 @@ class KVCacheManager:
         shared = [0] + [min(_common_prefix(lead, t), len(t) - 1) // bs for t in token_lists[1:]]
         total = _cdiv(len(lead), bs) + sum(_cdiv(len(t), bs) - m for t, m in zip(token_lists[1:], shared[1:]))
         hits = self._prefix_blocks(prefix)
-        needed = total - len(hits)
+        needed = total - len(hits)  # a hit on the CPU tier takes a new block too
         available = self.pool.num_free - sum(b.ref_count == 0 for b in hits)
         available -= self.watermark_blocks if keep_watermark else 0
         if total > self.pool.num_total:
@@ -289,7 +336,8 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         if seq is None:
             hits = self._prefix_blocks(prefix)
-            need = _cdiv(len(hits) * self.block_size + num_new_tokens, self.block_size) - len(hits)
+            covered = prefix.num_tokens if prefix is not None else 0  # CPU-tier hits take a new block each
+            need = _cdiv(covered + num_new_tokens, self.block_size) - len(hits)
             need += sum(b.ref_count == 0 for b in hits)  # hits we take off the free queue
         else:
             if prefix is not None:
@@ -346,15 +394,29 @@ class KVCacheManager:
         hits = self._prefix_blocks(prefix)
         for block in hits:
             self.pool.incref(block)
+        block_ids = list(prefix.block_ids) if prefix else []
+        if prefix is not None and prefix.tier_block_ids:
+            tiered = [self.tier.blocks[t] for t in prefix.tier_block_ids.values()]  # type: ignore[union-attr]
+            for tb in tiered:  # pinned before the pool evicts (and so offloads) anything
+                self.tier.incref(tb)  # type: ignore[union-attr]
+                self._pinned.append(tb)
+            for (i, _), tb in zip(prefix.tier_block_ids.items(), tiered, strict=True):
+                (new,) = self.pool.allocate(1)  # type: ignore[misc]  # admission counted it
+                self.pool.add_tokens(new, self.block_size)
+                if self.prefix_cache.register(new, tb.cache_key):  # type: ignore[union-attr, arg-type]
+                    self._uncommitted.append(new)
+                self._restores.append((tb.block_id, new.block_id))
+                block_ids[i] = new.block_id
+            self.num_tier_hit_tokens += len(tiered) * self.block_size
         seq = _Sequence(
-            block_ids=[b.block_id for b in hits],
-            num_tokens=len(hits) * self.block_size,
+            block_ids=block_ids,
+            num_tokens=len(block_ids) * self.block_size,
             cache_salt=prefix.cache_salt if prefix else None,
             block_hashes=list(prefix.block_hashes) if prefix else [],
-            num_registered=len(hits),
+            num_registered=len(block_ids),
         )
         self._seqs[seq_id] = seq
-        self._num_logical += len(hits)
+        self._num_logical += len(block_ids)
         if prefix is not None and self.prefix_cache is not None and prefix.num_query_tokens:
             self.prefix_cache.num_query_tokens += prefix.num_query_tokens
             self.prefix_cache.num_hit_tokens += prefix.num_tokens
@@ -445,6 +507,9 @@ class KVCacheManager:
             cpu_total_blocks=self.cpu_pool.num_total,
             cpu_used_blocks=self.cpu_pool.num_used,
             bytes_per_block=self.bytes_per_block,
+            tier_total_blocks=self.tier.num_total if self.tier else 0,
+            tier_cached_blocks=len(self.tier.prefix_cache) if self.tier else 0,  # type: ignore[arg-type]
+            tier_hit_tokens=self.num_tier_hit_tokens,
         )
 
     def check_invariants(self, token_ids: dict[SeqId, Sequence[int]] | None = None) -> None:
@@ -487,6 +552,19 @@ class KVCacheManager:
                 )
             registered = sum(b.cache_key is not None for b in self.pool.blocks)
             _check(registered == len(self.prefix_cache), "a block carries a key the map does not hold")
+        if self.tier is not None:  # the CPU tier: free registered copies, but those the step is reading
+            pins = Counter(b.block_id for b in self._pinned)
+            tier_cache = self.tier.prefix_cache
+            for block in self.tier.blocks:
+                _check(block.ref_count == pins[block.block_id], lambda: f"tier block {block.block_id}: ref_count")
+                _check((block.ref_count == 0) == (block in self.tier.free_queue), "tier block: free iff unpinned")
+                key = block.cache_key
+                _check(key is None or (key.is_consistent() and tier_cache.lookup(key.digest, key.token_ids) is block),
+                       lambda: f"tier block {block.block_id}: its key is not the map's")  # fmt: skip
+            registered = sum(b.cache_key is not None for b in self.tier.blocks)
+            _check(registered == len(tier_cache), "a tier block carries a key the tier's map does not hold")  # type: ignore[arg-type]
+            _check(self.tier.num_used_tokens == 0, "tier token counter")
+            _check(all(b.cache_key is not None for b in self._pinned), "a pinned tier block lost its key")
         _check(
             self._num_logical == sum(len(s.block_ids) for s in self._seqs.values() if not s.on_cpu),
             "logical-block counter",
@@ -537,12 +615,17 @@ class KVCacheManager:
             raise KeyError(f"unknown sequence {seq_id!r}") from None
 
     def _prefix_blocks(self, prefix: CachedPrefix | None) -> list[Block]:
+        """The pool blocks a prefix hits (its CPU-tier hits are checked, not returned)."""
         if prefix is None or not prefix.block_ids:
             return []
-        blocks = [self.pool.blocks[b] for b in prefix.block_ids]
-        for block, digest in zip(blocks, prefix.block_hashes):
+        blocks = []
+        for i, (b, digest) in enumerate(zip(prefix.block_ids, prefix.block_hashes, strict=True)):
+            tiered = i in prefix.tier_block_ids
+            block = self.tier.blocks[prefix.tier_block_ids[i]] if tiered else self.pool.blocks[b]  # type: ignore[union-attr]
             if block.cache_key is None or block.cache_key.digest != digest:
                 raise RuntimeError("stale CachedPrefix: a hit block was reused since the lookup")
+            if not tiered:
+                blocks.append(block)
         return blocks
 
 

@@ -142,6 +142,7 @@ class Scheduler:
             self._admit(budget, out)
         out.failed = list(self._failed.items())
         self._failed.clear()
+        out.offload, out.restore = self.kv.take_tier_transfers()
         return out
 
     def _plan(self, req: Request, budget: int) -> list[tuple[Sequence, int]]:

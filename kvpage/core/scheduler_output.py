@@ -3,6 +3,8 @@
 SchedulerOutput
   sequences: the tokens to compute for each sequence, where they go, what to return
   copies:    (src, dst) GPU block copies to perform first (copy-on-write)
+  offload:   (gpu, tier) copies of evicted prefix blocks into the CPU tier: first of all
+  restore:   (tier, gpu) copies of prefix hits on the CPU tier back into fresh GPU blocks: second
   swap_out:  (gpu, cpu) block copies, before the step; swap_in: (cpu, gpu) block copies
   failed:    requests the scheduler failed while planning (they never fit): (request_id, reason)
 
@@ -41,6 +43,8 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    offload: list[tuple[int, int]] = field(default_factory=list)
+    restore: list[tuple[int, int]] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
 
     @property
@@ -50,4 +54,4 @@ class SchedulerOutput:
     @property
     def has_work(self) -> bool:
         """Anything for the worker to do (model tokens or block copies)."""
-        return bool(self.sequences or self.copies or self.swap_out or self.swap_in)
+        return bool(self.sequences or self.copies or self.swap_out or self.swap_in or self.offload or self.restore)

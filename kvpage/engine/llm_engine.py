@@ -77,6 +77,7 @@ class LLMEngine:
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory={memory} bytes holds no block of {per_block} bytes")
         num_cpu_blocks = int(config.swap_space) // per_block
+        num_tier_blocks = int(config.cpu_offload_memory) // per_block
         capacity = num_blocks * block_size
         context = loaded.config.max_position_embeddings
         max_model_len = config.max_model_len or min(context, capacity)
@@ -95,9 +96,10 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             watermark=config.watermark,
             bytes_per_block=per_block,
+            num_tier_blocks=num_tier_blocks,
         )
         self.kv_cache = KVCache(loaded.config, num_blocks, block_size, dtype, config.device, num_cpu_blocks,
-                                config.kv_cache_dtype)  # fmt: skip
+                                config.kv_cache_dtype, num_tier_blocks)  # fmt: skip
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.device)
         self.scheduler = Scheduler(
             self.kv_manager,

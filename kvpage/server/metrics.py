@@ -67,6 +67,13 @@ class _EngineCollector:
         yield self._counter("kvpage:prefix_cache_queries", "prefix-cache queries, in prompt tokens",
                             st.prefix_query_tokens)  # fmt: skip
         yield self._counter("kvpage:prefix_cache_hits", "prefix-cache hits, in prompt tokens", st.prefix_hit_tokens)
+        yield self._counter("kvpage:cpu_tier_hits", "of the prefix-cache hits, tokens brought back from the CPU tier",
+                            st.tier_hit_tokens)  # fmt: skip
+        tier = GaugeMetricFamily("kvpage:cpu_tier_blocks", "blocks of the prefix cache's CPU tier by state",
+                                 labels=["model_name", "state"])  # fmt: skip
+        tier.add_metric([model, "cached"], st.tier_cached_blocks)
+        tier.add_metric([model, "total"], st.tier_total_blocks)
+        yield tier
         for name, value in (("running", len(sched.running)), ("waiting", len(sched.waiting)),
                             ("swapped", len(sched.swapped))):  # fmt: skip
             yield self._gauge(f"kvpage:num_requests_{name}", f"number of requests {name}", value)

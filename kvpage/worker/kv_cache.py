@@ -36,6 +36,7 @@ class KVCache:
         device: str | torch.device = "cpu",
         num_cpu_blocks: int = 0,
         kv_cache_dtype: str = "auto",
+        num_tier_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.kind = kv_cache_dtype
@@ -45,6 +46,10 @@ class KVCache:
         pin = torch.device(device).type == "cuda"
         self.cpu_layers = [
             LayerKV.allocate(cpu_shape, dtype, kv_cache_dtype, "cpu", pin) for _ in range(cfg.num_layers)
+        ]
+        tier_shape = (num_tier_blocks, *shape[1:])  # the CPU tier of the prefix cache
+        self.tier_layers = [
+            LayerKV.allocate(tier_shape, dtype, kv_cache_dtype, "cpu", pin) for _ in range(cfg.num_layers)
         ]
 
     @staticmethod
@@ -68,6 +73,14 @@ class KVCache:
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(cpu block, device block) pairs."""
         self._transfer(self.cpu_layers, self.layers, pairs)
+
+    def offload(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, tier block) pairs: evicted prefix blocks kept in the CPU tier."""
+        self._transfer(self.layers, self.tier_layers, pairs)
+
+    def restore(self, pairs: list[tuple[int, int]]) -> None:
+        """(tier block, device block) pairs: CPU-tier prefix hits brought back."""
+        self._transfer(self.tier_layers, self.layers, pairs)
 
     @staticmethod
     def _index(pairs, device) -> tuple[torch.Tensor, torch.Tensor]:

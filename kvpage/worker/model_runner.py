@@ -42,6 +42,8 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         kv = self.kv_cache
         t0 = time.perf_counter()
+        kv.offload(step.offload)  # evicted prefix blocks to the CPU tier, before they are reused
+        kv.restore(step.restore)  # CPU-tier hits into their new blocks
         kv.swap_out(step.swap_out)  # read the victims' blocks before anything can overwrite them
         kv.swap_in(step.swap_in)
         kv.copy_blocks(step.copies)

@@ -26,10 +26,22 @@ class KVMemory:
         self.tokens = tokens  # the test's own token lists; never copied
         self.gpu: dict[int, int] = {}  # slot -> token id
         self.cpu: dict[int, int] = {}
+        self.tier: dict[int, int] = {}  # the prefix cache's CPU tier
         self._journal: list[tuple[int, int | None]] = []  # (gpu slot, previous token) of this step's writes
 
     def _copy_blocks(self, src: dict[int, int], dst: dict[int, int], pairs: list[tuple[int, int]]) -> None:
         copy_blocks(src, dst, pairs, self.mgr.block_size)
+
+    def transfers(self) -> None:
+        """The tier copies the manager planned so far: evicted blocks out first, then hits back in
+        (the worker runs them before anything else of the step)."""
+        offload, restore = self.mgr.take_tier_transfers()
+        if offload or restore:
+            from hypothesis import event
+
+            event(f"tier: {'offload' if offload else ''} {'restore' if restore else ''}")
+        self._copy_blocks(self.gpu, self.tier, offload)
+        self._copy_blocks(self.tier, self.gpu, restore)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write on the GPU pool."""
@@ -44,6 +56,7 @@ class KVMemory:
 
     def apply(self, seq_id: Hashable, alloc: SlotAllocation, num_new: int) -> None:
         """Copy-on-write first, then write the last `num_new` tokens' KV into their slots."""
+        self.transfers()
         self.copy(alloc.copies)
         n = self.mgr.num_tokens(seq_id)
         self.write(seq_id, n - num_new, n)
@@ -61,6 +74,7 @@ class KVMemory:
         self._journal.clear()
 
     def swap(self, pairs: list[tuple[int, int]], *, to_cpu: bool) -> None:
+        self.transfers()  # (swapping in takes blocks: evicted ones went to the tier first)
         if to_cpu:
             self._copy_blocks(self.gpu, self.cpu, pairs)
         else:

@@ -685,6 +685,9 @@ def test_stats_fields_exact():
         cpu_total_blocks=0,
         cpu_used_blocks=0,
         bytes_per_block=0,  # a manager told nothing of the bytes
+        tier_total_blocks=0,
+        tier_cached_blocks=0,
+        tier_hit_tokens=0,
     )
     assert dataclasses.asdict(st) == expected
     assert st.usage == pytest.approx(2 / 11)

@@ -30,11 +30,13 @@ class ManagerMachine(RuleBasedStateMachine):
         num_cpu_blocks=st.integers(0, 8),
         caching=st.booleans(),
         watermark=st.sampled_from([0.0, 0.1]),
+        num_tier_blocks=st.sampled_from([0, 0, 1, 3]),
     )
-    def setup(self, num_blocks, block_size, num_cpu_blocks, caching, watermark):
+    def setup(self, num_blocks, block_size, num_cpu_blocks, caching, watermark, num_tier_blocks):
         self.mgr = KVCacheManager(
-            num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=caching, watermark=watermark
-        )
+            num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=caching, watermark=watermark,
+            num_tier_blocks=num_tier_blocks,
+        )  # fmt: skip
         self.tokens: dict[str, list[int]] = {}  # every sequence's token ids: the test owns them
         self.computed: dict[str, int] = {}  # leading tokens whose KV the "model" has written
         self.mem = KVMemory(self.mgr, self.tokens)
@@ -84,6 +86,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.mgr.stats() == before and not self.mgr.has_sequence(seq_id)
             return
         assert alloc.copies == []
+        self.mem.transfers()  # hits on the CPU tier are copied back into their new blocks
         self.created_now(seq_id, prompt, hit.num_tokens)  # the hits' KV is there already
 
     @rule(
@@ -115,11 +118,13 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         ids = [self.new_id() for _ in lists]
         free_before = pool.num_free
-        taken_hits = sum(pool.blocks[b].ref_count == 0 for b in hits)
+        tiered = adm.prefix.tier_block_ids  # hits on the CPU tier (-1 in hits): each takes a new block
+        taken_hits = sum(pool.blocks[b].ref_count == 0 for i, b in enumerate(hits) if i not in tiered)
         self.mgr.admit(ids, lists, adm)
+        self.mem.transfers()
         assert free_before - pool.num_free == adm.blocks_needed + taken_hits  # the plan's count is exact
         lead_table = self.mgr.block_table(ids[0])
-        assert lead_table[: len(hits)] == hits
+        assert all(lead_table[i] == b for i, b in enumerate(hits) if i not in tiered)
         for i, (seq_id, toks, m) in enumerate(zip(ids, lists, adm.shared_blocks, strict=True)):
             assert self.mgr.num_tokens(seq_id) == len(toks)
             assert self.mgr.block_table(seq_id)[:m] == lead_table[:m] and toks[: m * bs] == lead[: m * bs]
@@ -145,6 +150,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert len(alloc.copies) <= 1
             self.touch(seq_id)
             self.tokens[seq_id].extend(new)
+            self.mem.transfers()
             self.mem.copy(alloc.copies)
         assert all_fit or predicted > free_before
         if all_fit:
@@ -248,3 +254,57 @@ ManagerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestManagerProperties = ManagerMachine.TestCase
+
+
+class TieredManagerMachine(ManagerMachine):
+    """The same, under the pressure that makes the CPU tier work: caching on, a small pool that keeps
+    evicting registered blocks into the tier, and prompts that come back to hit them there."""
+
+    @initialize(
+        num_blocks=st.integers(2, 6),
+        block_size=st.sampled_from([1, 2, 4]),
+        num_cpu_blocks=st.integers(0, 4),
+        caching=st.just(True),
+        watermark=st.just(0.0),
+        num_tier_blocks=st.integers(1, 6),
+    )
+    def setup(self, num_blocks, block_size, num_cpu_blocks, caching, watermark, num_tier_blocks):
+        super().setup(num_blocks, block_size, num_cpu_blocks, caching, watermark, num_tier_blocks)
+        self.seen: list[list[int]] = []  # prompts of sequences that were freed
+
+    def forget(self, seq_id):
+        self.seen.append(list(self.tokens[seq_id]))
+        super().forget(seq_id)
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def complete(self, data):
+        """The step ends; then a sequence runs its remaining tokens in a step of its own and finishes:
+        its full blocks stay registered, free, ready to be evicted into the tier."""
+        self.end_step(ok=True)
+        if not self.resident():
+            return
+        seq_id = data.draw(st.sampled_from(self.resident()))
+        n = self.mgr.num_tokens(seq_id)
+        self.mem.write(seq_id, self.computed[seq_id], n)
+        self.mgr.cache_blocks(seq_id, self.tokens[seq_id], n)
+        self.mgr.commit()
+        self.mem.commit()
+        self.mgr.free(seq_id)
+        self.forget(seq_id)
+
+    @precondition(lambda self: self.seen)
+    @rule(data=st.data())
+    def come_back(self, data):
+        """A prompt seen before comes back (after its blocks may have gone to the tier)."""
+        prompt = data.draw(st.sampled_from(self.seen))
+        self.add(prompt, [], None)
+
+
+TieredManagerMachine.TestCase.settings = settings(
+    max_examples=1000,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestTieredManagerProperties = TieredManagerMachine.TestCase
