@@ -62,7 +62,7 @@ def run_demo(model: str = "smollm2", dtype: str = "auto", max_tokens: int = 64) 
     assert peak is not None
     max_len = engine.max_model_len
     prompt_lens = [len(o.prompt_token_ids) for o in outputs.values()]
-    per_token = engine.kv_cache.bytes_per_block(engine.model_config, 1, next(engine.runner.model.parameters()).dtype)
+    per_token = engine.bytes_per_block // engine.kv_cache.block_size  # scales included for int8 / fp8
     contiguous = len(QUESTIONS) * max_len
     static = sum(n + max_tokens for n in prompt_lens)  # reserved per request for prompt + max_tokens
     paged = peak.allocated_slots

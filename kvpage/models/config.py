@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvpage.core.kv_bytes import kv_bytes_per_token
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -39,11 +41,11 @@ class ModelConfig:
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
 
-    def kv_bytes_per_token(self, element_size: int) -> int:
-        """Bytes of one token's KV cache: K and V of every layer, at `element_size` bytes per
-        element (4 for float32, 2 for float16 / bfloat16). Grouped-query attention stores only
-        the kv heads: 2 x num_layers x num_kv_heads x head_dim x element_size."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+    def kv_bytes_per_token(self, kv_dtype: str) -> int:
+        """Bytes of one token's KV cache in `kv_dtype` ("float32", "bfloat16", "int8", "fp8", ...):
+        K and V of every layer, of the kv heads only (grouped-query attention never repeats them),
+        scales included; the one formula, in kvpage/core/kv_bytes.py."""
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, kv_dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
