@@ -149,7 +149,7 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         is_beam = isinstance(params, BeamSearchParams)
         width = params.beam_width if is_beam else params.n
-        self._check_width("beam_width" if is_beam else "n", width)
+        self.check_width("beam_width" if is_beam else "n", width)
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name, None)
             if k is not None and k > vocab:
@@ -185,7 +185,8 @@ class LLMEngine:
         self._states[request_id] = st
         self.num_prompt_tokens += len(ids)
 
-    def _check_width(self, name: str, width: int) -> None:
+    def check_width(self, name: str, width: int) -> None:
+        """ValueError unless `width` sequences of one request can run in the same step."""
         cfg = self.config
         limits = (("max_num_seqs", cfg.max_num_seqs), ("max_num_batched_tokens", cfg.max_num_batched_tokens))
         for limit_name, limit in limits:

@@ -102,13 +102,23 @@ class Tokenizer:
             specials = [t for t in self.special_token_texts if any(t in c for c in contents)]
             if specials:
                 raise ValueError(f"message content must be text; it contains the control token {specials[0]!r}")
-            return self.encode(self._render(messages, add_generation_prompt))
-        ids = [self.bos_token_id] if self.add_bos_token and self.bos_token_id is not None else []
+            return self._encode_rendered(self._render(messages, add_generation_prompt))
+        ids = [self.bos_token_id] if self._needs_bos(rendered) else []
         for i, part in enumerate(parts):
             if part:
                 backend = self._literal_backend() if i % 2 else self.backend
                 ids += backend.encode(contents[int(part)] if i % 2 else part, add_special_tokens=False).ids
         return ids
+
+    def _needs_bos(self, rendered: str) -> bool:
+        """BOS goes first when the tokenizer adds one, unless the template wrote it already."""
+        if not self.add_bos_token or self.bos_token_id is None:
+            return False
+        bos = self.backend.id_to_token(self.bos_token_id)
+        return not (bos and rendered.startswith(bos))
+
+    def _encode_rendered(self, rendered: str) -> list[int]:
+        return self.encode(rendered, add_special_tokens=self._needs_bos(rendered))
 
     @property
     def special_token_texts(self) -> list[str]:

@@ -85,6 +85,11 @@ class AsyncEngine:
             raise EngineUnavailable(f"the engine stopped: {self.error!r}")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
+        if self.closing or not self.alive:  # shut down or died while registering: never added
+            self._streams.pop(request_id, None)
+            raise EngineUnavailable(
+                "the server is shutting down" if self.closing else f"the engine stopped: {self.error!r}"
+            )
         self._commands.put(("add", request_id, prompt, params, cache_salt))
         self._wake.set()
         finished = False
@@ -123,6 +128,9 @@ class AsyncEngine:
                         break
                     if cmd[0] == "add":
                         _, rid, prompt, params, salt = cmd
+                        if self.closing:
+                            self._deliver(rid, EngineUnavailable("the server is shutting down"))
+                            continue
                         try:
                             engine.add_request(rid, prompt, params, cache_salt=salt)
                         except ValueError as e:

@@ -30,10 +30,11 @@ class BodyLimit:
         if self.limit and length is not None and length.isdigit() and int(length) > self.limit:
             return await self._too_large(send)
         chunks, seen = [], 0
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.timeout if self.timeout else None  # 0: no time limit
         while True:
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                message = await asyncio.wait_for(receive(), left)
             except TimeoutError:
                 msg = f"the request body did not arrive within {self.timeout:g} s"
                 return await _reject(send, 408, msg, "body_timeout")

@@ -8,6 +8,7 @@ the client goes away, streaming or not), and the mapping of engine errors to HTT
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import Request
@@ -23,6 +24,12 @@ DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
 
 class ClientDisconnected(Exception):
     """The client went away before its answer was ready; its requests were aborted."""
+
+
+def is_client_error(error: str) -> bool:
+    """Whether a request's failure is the request's own doing (it can never fit or be scheduled),
+    not the server's (a step that raised)."""
+    return "can never fit" in error or "can never be scheduled" in error
 
 
 def translate(e: BaseException) -> BaseException:
@@ -54,6 +61,8 @@ async def until_disconnected(raw_request: Request, work: Awaitable):
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
+        if not task.done() and asyncio.current_task().cancelling():  # the handler itself is cancelled
+            task.cancel()
     if task.done():
         return task.result()
     task.cancel()
@@ -138,6 +147,18 @@ class OpenAIServing:
             parts.append(req.cache_salt)
         return "\x1f".join(parts) or None
 
+    def check_ready(self, req) -> None:
+        """What would otherwise surface only inside a stream, after its 200: a server that takes no
+        requests (503) and a width the engine can never run (400)."""
+        if self.aengine.closing:
+            raise APIError(503, "the server is shutting down", code="engine_unavailable")
+        if not self.aengine.alive:
+            raise APIError(503, f"the engine stopped: {self.aengine.error!r}", code="engine_unavailable")
+        try:
+            self.engine.check_width("n", req.n)
+        except ValueError as e:
+            raise APIError(400, str(e), param="n") from None
+
     def window(self, width: int) -> int:
         """How many of one HTTP request's prompts run at a time: half the batch at most."""
         return max(1, self.engine.config.max_num_seqs // (2 * width))
@@ -149,10 +170,11 @@ class OpenAIServing:
     async def outputs(self, gens, width: int) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) as they come; engine errors become APIErrors."""
         try:
-            async for i, out in merge(gens, self.window(width)):
-                if out.error:
-                    raise APIError(400, out.error)
-                yield i, out
+            async with contextlib.aclosing(merge(gens, self.window(width))) as outs:
+                async for i, out in outs:
+                    if out.error:
+                        raise APIError(400 if is_client_error(out.error) else 500, out.error)
+                    yield i, out
         except Exception as e:  # noqa: BLE001 - translated, not swallowed
             raise translate(e) from None
 

@@ -34,6 +34,7 @@ class ChatServing(OpenAIServing):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         gens = self.generators(rid, [ids], params, self.cache_salt(req, raw_request))
         run = _Run(self, rid, req, ids)
+        self.check_ready(req)
         if req.stream:
             return sse(run.stream(self.outputs(gens, req.n)))
         (out,) = await self.final_outputs(raw_request, gens, req.n)

@@ -44,6 +44,7 @@ class CompletionServing(OpenAIServing):
         gens = self.generators(rid, token_lists, params, self.cache_salt(req, raw_request))
         texts = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in prompts]
         run = _Run(self, rid, req, token_lists, texts)
+        self.check_ready(req)
         if req.stream:
             return sse(run.stream(self.outputs(gens, req.n)))
         outs = await self.final_outputs(raw_request, gens, req.n)

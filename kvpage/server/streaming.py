@@ -8,13 +8,17 @@ and requests that come after it are scheduled beside it, not behind all of it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
 from kvpage.outputs import RequestOutput
 from kvpage.server.errors import APIError, error_body
+
+log = logging.getLogger("kvpage.server")
 
 
 def sse(chunks: AsyncIterator[dict], headers: dict | None = None) -> StreamingResponse:
@@ -24,8 +28,12 @@ def sse(chunks: AsyncIterator[dict], headers: dict | None = None) -> StreamingRe
         try:
             async for c in chunks:
                 yield f"data: {json.dumps(c)}\n\n"
-        except (APIError, ValueError, RuntimeError) as e:
-            message, type_ = (e.message, e.type) if isinstance(e, APIError) else (str(e), "server_error")
+        except Exception as e:  # noqa: BLE001 - the client gets an error event and [DONE], whatever it was
+            if isinstance(e, APIError):
+                message, type_ = e.message, e.type
+            else:
+                log.exception("error in a stream")
+                message, type_ = f"{type(e).__name__}: {e}", "server_error"
             yield f"data: {json.dumps(error_body(message, type_))}\n\n"
         yield "data: [DONE]\n\n"
 
@@ -38,8 +46,9 @@ async def merge(
     """Interleave requests' outputs as they come, as (generator index, output); leaving early (or
     an error in one) closes, and so aborts, them all."""
     if len(gens) == 1:
-        async for out in gens[0]:
-            yield 0, out
+        async with contextlib.aclosing(gens[0]) as gen:
+            async for out in gen:
+                yield 0, out
         return
     queue: asyncio.Queue = asyncio.Queue()
     slots = asyncio.Semaphore(window or len(gens))

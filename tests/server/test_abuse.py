@@ -79,6 +79,9 @@ def test_one_request_with_many_prompts_does_not_hold_up_the_next():
 
         asyncio.run(main())
         assert done == ["small", "big"]
+        # a width the engine can never run is a 400 before a stream starts, not a 200 with an error event
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": "smollm2", "prompt": "Hi", "n": 8, "stream": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "max_num_seqs=4" in r.text
         assert_pool_free(s)
     finally:
         stop_server(s)

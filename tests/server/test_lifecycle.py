@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import start_server, stop_server
+from tests.server.conftest import assert_pool_free, start_server, stop_server
 
 LONG = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 900, "min_tokens": 900, "ignore_eos": True}
 
@@ -105,8 +105,34 @@ def test_a_dead_engine_answers_503_and_every_waiting_client():
         with pytest.raises(openai.InternalServerError) as e:
             c.completions.create(model="smollm2", prompt="hi", max_tokens=2)
         assert e.value.status_code == 503 and "engine stopped" in e.value.message
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": "smollm2", "prompt": "hi", "stream": True}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"  # not a 200 stream
     finally:
         stop_server(s)
+
+
+def test_a_failed_model_step_is_a_500_and_the_server_goes_on(server):
+    """Fault injection: one model step raises. Its request gets a 500 (the server's fault, not the
+    client's), and the next request is served."""
+    runner = server.engine.runner
+    real = runner.execute
+
+    def fails_once(step):
+        runner.execute = real
+        raise RuntimeError("injected model fault")
+
+    runner.execute = fails_once
+    try:
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": "smollm2", "prompt": "hi", "max_tokens": 3},
+                       timeout=60)  # fmt: skip
+    finally:
+        runner.execute = real
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    assert "injected model fault" in r.json()["error"]["message"]
+    ok = httpx.post(f"{server.url}/v1/completions", json={"model": "smollm2", "prompt": "hi", "max_tokens": 3},
+                    timeout=60)  # fmt: skip
+    assert ok.status_code == 200
+    assert_pool_free(server)
 
 
 def test_a_dead_engine_stops_the_server():
