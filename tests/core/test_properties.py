@@ -247,12 +247,12 @@ class ManagerMachine(RuleBasedStateMachine):
         assert st_.free_blocks == st_.total_blocks and st_.logical_blocks == 0
 
 
-ManagerMachine.TestCase.settings = settings(
-    max_examples=2000,
-    stateful_step_count=30,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+def machine_settings(max_examples: int, steps: int):
+    return settings(max_examples=max_examples, stateful_step_count=steps, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
+
+
+ManagerMachine.TestCase.settings = machine_settings(2000, 30)
 TestManagerProperties = ManagerMachine.TestCase
 
 
@@ -301,10 +301,5 @@ class TieredManagerMachine(ManagerMachine):
         self.add(prompt, [], None)
 
 
-TieredManagerMachine.TestCase.settings = settings(
-    max_examples=1000,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+TieredManagerMachine.TestCase.settings = machine_settings(1000, 40)
 TestTieredManagerProperties = TieredManagerMachine.TestCase
