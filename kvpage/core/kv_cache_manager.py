@@ -116,8 +116,9 @@ class KVCacheManager:
         self._num_logical = 0  # sum of GPU block-table lengths
         self._num_swapped = 0
         self._uncommitted: list[Block] = []  # registered by the step being run
-        self.tier = BlockPool(num_tier_blocks, block_size, PrefixCache()) if self.prefix_cache is not None else None
-        if self.tier is not None and self.tier.num_total:
+        self.tier = None  # the CPU tier: a pool whose blocks all sit free and registered
+        if self.prefix_cache is not None and num_tier_blocks:
+            self.tier = BlockPool(num_tier_blocks, block_size, PrefixCache())
             self.pool.on_evict = self._offload
         self._offloads: list[tuple[int, int]] = []  # (pool block, tier block) copies for the step
         self._restores: list[tuple[int, int]] = []  # (tier block, pool block)
@@ -396,11 +397,11 @@ class KVCacheManager:
             self.pool.incref(block)
         block_ids = list(prefix.block_ids) if prefix else []
         if prefix is not None and prefix.tier_block_ids:
-            tiered = [self.tier.blocks[t] for t in prefix.tier_block_ids.values()]  # type: ignore[union-attr]
-            for tb in tiered:  # pinned before the pool evicts (and so offloads) anything
+            tiered = {i: self.tier.blocks[t] for i, t in prefix.tier_block_ids.items()}  # type: ignore[union-attr]
+            for tb in tiered.values():  # pinned before the pool evicts (and so offloads) anything
                 self.tier.incref(tb)  # type: ignore[union-attr]
                 self._pinned.append(tb)
-            for (i, _), tb in zip(prefix.tier_block_ids.items(), tiered, strict=True):
+            for i, tb in tiered.items():
                 (new,) = self.pool.allocate(1)  # type: ignore[misc]  # admission counted it
                 self.pool.add_tokens(new, self.block_size)
                 if self.prefix_cache.register(new, tb.cache_key):  # type: ignore[union-attr, arg-type]

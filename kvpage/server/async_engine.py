@@ -79,13 +79,9 @@ class AsyncEngine:
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come; leaving early (a disconnect) aborts it."""
-        if self.closing:
-            raise EngineUnavailable("the server is shutting down")
-        if not self.alive:
-            raise EngineUnavailable(f"the engine stopped: {self.error!r}")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        if self.closing or not self.alive:  # shut down or died while registering: never added
+        if self.closing or not self.alive:  # checked once registered: a shutdown or death cannot slip between
             self._streams.pop(request_id, None)
             raise EngineUnavailable(
                 "the server is shutting down" if self.closing else f"the engine stopped: {self.error!r}"
