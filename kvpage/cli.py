@@ -43,6 +43,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
                    help="KV blocks in the model's dtype (auto, the default), or int8 / fp8 with a float32 scale "
                    "per token and kv head: ~1.9x the blocks of bfloat16 in the same memory")  # fmt: skip
+    g.add_argument("--kv-eviction", default=None,
+                   help="every request's eviction policy for contexts longer than the budget: "
+                   "'streaming[:sink_tokens=4,window_tokens=1020]' (StreamingLLM; runs past max_model_len) or "
+                   "'h2o[:heavy_tokens=512,recent_tokens=512]' (default: none; a request's own overrides)")  # fmt: skip
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
     g.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
 
@@ -55,7 +59,7 @@ def _make_llm(args: argparse.Namespace):
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
               seed=args.seed, weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype,
-              attention_backend=args.attention_backend)  # fmt: skip
+              attention_backend=args.attention_backend, kv_eviction=args.kv_eviction)  # fmt: skip
     if args.num_kv_blocks is not None:
         kw["num_kv_blocks"] = args.num_kv_blocks
     else:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
+from typing import Any
 
+from kvpage.core.eviction import parse_eviction
 from kvpage.core.kv_bytes import KV_CACHE_DTYPES
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -46,6 +48,9 @@ class EngineConfig:
     watermark: float = 0.01
     device: str = "cpu"
     attention_backend: str = "auto"  # "cpu": compiled kernels (kvpage/ops), "torch": reference; auto picks
+    # every request's eviction policy unless it names its own: None, "streaming[:sink_tokens=..,window_tokens=..]",
+    # "h2o[:heavy_tokens=..,recent_tokens=..]", a mapping or a policy object (kvpage/core/eviction.py)
+    kv_eviction: Any = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -80,6 +85,7 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        self.kv_eviction = parse_eviction(self.kv_eviction)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -3,9 +3,13 @@
 Backends are chosen by name and imported lazily, so a GPU kernel can be added (and its toolchain
 imported) without the reference backend or the model changing.
 
-The cache a backend is given is one layer's `LayerKV` (layer_kv.py): K and V of every block,
-head-major inside a block (see kvpage/attention/torch_ref.py for why), and their scales when the KV
-dtype is quantized (int8 / fp8: the backend quantizes when it writes, dequantizes when it reads):
+A backend owns its cache layout: `allocate_kv` makes one layer's `LayerKV` (layer_kv.py) the way
+its kernels read it, and the KV cache (worker/kv_cache.py) asks it for every pool (device, swap,
+CPU tier). What the rest of kvpage relies on is only this: block ids index dimension 0 of every
+tensor of a LayerKV (copy-on-write, swap and the tier move whole blocks through `tensors()`), and
+keys end in head_dim (StreamingLLM's sink rotation works on the last dimension). The reference
+layout, head-major inside a block (see kvpage/attention/torch_ref.py for why), with scales when the
+KV dtype is quantized (int8 / fp8: the backend quantizes when it writes, dequantizes when it reads):
 
     kv.k, kv.v: [num_blocks, num_kv_heads, block_size, head_dim]; kv.k_scale, kv.v_scale: [.., block_size]
     slot s = block_id * block_size + offset   ->   kv.k[block_id, :, offset, :]
@@ -29,6 +33,20 @@ _BACKENDS = {
 
 class AttentionBackend(Protocol):
     name: str
+
+    def allocate_kv(
+        self,
+        num_blocks: int,
+        num_kv_heads: int,
+        block_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        kind: str,  # the KV dtype: "auto" (dtype) / "int8" / "fp8"
+        device: str | torch.device,
+        pin: bool = False,
+    ) -> LayerKV:
+        """One layer's cache of `num_blocks` blocks, zeroed, in this backend's layout."""
+        ...
 
     def forward(
         self,

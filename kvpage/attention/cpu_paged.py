@@ -47,14 +47,15 @@ class CpuPagedBackend(TorchReferenceBackend):
             self._write(k, v, kv.k, kv.v, slots)
 
     def decodes(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
-        if not _kernel_reads(kv, q.dtype):
+        if not _kernel_reads(kv, q.dtype) or meta.block_mass is not None:  # H2O's mass: reference path
             return super().decodes(out, q, kv, meta, scale)
         n = meta.num_decodes
         self._decode_in_place(out[:n], q[:n], kv, meta.block_tables, meta.seq_lens, scale)
 
     def prefill_chunk(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> None:
         m, n = q.shape[0], meta.seq_lens_list[i]
-        if not _kernel_reads(kv, q.dtype) or m == n or m > SHORT_CHUNK:
+        wants_mass = meta.block_mass is not None and meta.want_mass[i]
+        if not _kernel_reads(kv, q.dtype) or m == n or m > SHORT_CHUNK or wants_mass:
             return super().prefill_chunk(out, q, k, v, kv, meta, i, scale)
         # query r sits at position n - m + r and sees the keys 0 .. n - m + r: a decode of that length
         tables = meta.block_tables[i : i + 1].expand(m, -1)

@@ -9,7 +9,12 @@ One forward runs a ragged batch: the new tokens of every sequence are concatenat
     block_tables: [num_seqs, max_blocks] physical block ids, padded with 0
 
 A query at position p of its sequence sees the keys at positions <= p. For a chunk of q tokens in a
-sequence of seq_len keys, query r sits at position seq_len - q + r.
+sequence of seq_len keys, query r sits at position seq_len - q + r. (Here positions are those in
+the table: a sequence whose eviction policy released blocks has fewer keys than tokens.)
+
+block_mass (H2O): when some sequence wants it, [num_seqs, max_blocks] float32 that each layer's
+attention adds the softmax mass every block of the table received to (summed over heads and the
+sequence's queries); the reference path computes it, rows that do not want it may stay zero.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ class AttentionMetadata:
     seq_lens_list: list[int]  # the same as seq_lens, plain ints
     num_decodes: int  # the first num_decodes sequences have exactly one query token
     block_size: int
+    want_mass: list[bool] = field(default_factory=list)
+    block_mass: torch.Tensor | None = None
     _groups: list[tuple[torch.Tensor, int, torch.Tensor]] | None = field(default=None, repr=False)
 
     @property
@@ -70,6 +77,7 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        want_mass: list[bool] | None = None,
     ) -> AttentionMetadata:
         """From plain lists. Decodes (query length 1) must come first."""
         num_decodes = 0
@@ -87,6 +95,8 @@ class AttentionMetadata:
             slots.extend(table[t // block_size] * block_size + t % block_size for t in range(n - q, n))
         width = max((len(t) for t in block_tables), default=0)
         padded = [t + [0] * (width - len(t)) for t in block_tables]
+        want = list(want_mass) if want_mass is not None else [False] * len(query_lens)
+        mass = torch.zeros(len(query_lens), width, device=device) if any(want) else None
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             block_tables=torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(padded), width),
@@ -95,4 +105,6 @@ class AttentionMetadata:
             seq_lens_list=list(seq_lens),
             num_decodes=num_decodes,
             block_size=block_size,
+            want_mass=want,
+            block_mass=mass,
         )

@@ -14,6 +14,10 @@ attention; softmax runs in float32. Each prefill chunk is attended on its own (n
 longest chunk): a chunk with no earlier context uses its fresh K/V with a causal mask, one with
 cached context gathers its keys and masks by position. A quantized cache (int8 / fp8) is quantized
 as it is written and dequantized as it is gathered, in float32 then the compute dtype.
+
+H2O's attention mass (AttentionMetadata.block_mass) comes from here: decodes sum the probabilities
+they compute anyway per block; a prefill chunk that wants it is attended with explicit scores
+instead of the fused SDPA, which does not return them.
 """
 
 from __future__ import annotations
@@ -61,6 +65,11 @@ class TorchReferenceBackend:
         # allocating ~100 MB afresh each time costs more in page faults than the attention itself.
         self._workspace: dict[str, torch.Tensor] = {}
 
+    @staticmethod
+    def allocate_kv(num_blocks, num_kv_heads, block_size, head_dim, dtype, kind, device, pin=False) -> LayerKV:
+        """The reference layout: [num_blocks, num_kv_heads, block_size, head_dim] (the CPU kernels read it too)."""
+        return LayerKV.allocate((num_blocks, num_kv_heads, block_size, head_dim), dtype, kind, device, pin)
+
     def forward(self, q, k, v, kv: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.write(k, v, kv, meta.slot_mapping)
         out = torch.empty_like(q)
@@ -87,6 +96,8 @@ class TorchReferenceBackend:
     def prefill_chunk(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> None:
         """out = attention of the chunk's queries (sequence i, its last len(q) positions)."""
         n = meta.seq_lens_list[i]
+        if meta.block_mass is not None and meta.want_mass[i]:
+            return self._chunk_with_mass(out, q, k, v, kv, meta, i, scale)
         # 4-D inputs ([1, heads, tokens, d]): torch's fused CPU kernel takes those, and is 3-4x
         # faster than the generic path that 3-D inputs fall back to.
         qi = q.transpose(0, 1)[None]
@@ -101,6 +112,27 @@ class TorchReferenceBackend:
             mask = torch.arange(n, device=q.device)[None, :] <= pos_q[:, None]  # [q, n]
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
         out.copy_(o[0].transpose(0, 1))
+
+    def _chunk_with_mass(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> None:
+        """Explicit attention of a prefill chunk, adding each block's softmax mass to block_mass[i]."""
+        m, n, bs = q.shape[0], meta.seq_lens_list[i], meta.block_size
+        if m == n:
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, n, d]
+        else:
+            table = meta.block_tables[i]
+            keys = gather_kv(kv.k, table, n, kv.k_scale, q.dtype)
+            values = gather_kv(kv.v, table, n, kv.v_scale, q.dtype)
+        kv_heads, d = keys.shape[0], keys.shape[2]
+        group = q.shape[1] // kv_heads
+        qh = q.view(m, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * m, d)
+        scores = torch.bmm(qh, keys.transpose(1, 2)).float().mul_(scale).view(kv_heads, group, m, n)
+        visible = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - m, n, device=q.device)[:, None]
+        probs = scores.masked_fill_(~visible, float("-inf")).softmax(-1)
+        nb = -(-n // bs)
+        per_token = F.pad(probs.sum((0, 1, 2)), (0, nb * bs - n))
+        meta.block_mass[i, :nb] += per_token.view(nb, bs).sum(-1)  # type: ignore[index]
+        o = torch.bmm(probs.view(kv_heads, group * m, n).to(q.dtype), values)
+        out.copy_(o.view(kv_heads, group, m, d).permute(2, 0, 1, 3).reshape(m, -1, d))
 
     def _gather(self, name: str, cache_head: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """cache_head[blocks] ([num_blocks, bs, d] view of one kv head) into a reused, contiguous buffer."""
@@ -127,6 +159,8 @@ class TorchReferenceBackend:
                 keys = dequantize(keys, kv.k_scale[:, h][blocks].view(n, nb * bs), q.dtype)
                 values = dequantize(values, kv.v_scale[:, h][blocks].view(n, nb * bs), q.dtype)
             scores = torch.bmm(qg[:, h], keys.transpose(1, 2)).float()  # [n, group, L]
-            probs = torch.add(bias, scores, alpha=scale).softmax(-1).to(q.dtype)  # bias masks the padding
-            out[:, h] = torch.bmm(probs, values)
+            probs = torch.add(bias, scores, alpha=scale).softmax(-1)  # bias masks the padding
+            if meta.block_mass is not None:  # H2O: each block's share of the softmax
+                meta.block_mass[:, :nb].index_add_(0, rows, probs.sum(1).view(n, nb, bs).sum(-1))
+            out[:, h] = torch.bmm(probs.to(q.dtype), values)
         return out.view(n, -1, d)

@@ -28,6 +28,7 @@ class CacheStats:
     tier_total_blocks: int = 0  # the CPU tier of the prefix cache
     tier_cached_blocks: int = 0  # tier blocks holding a copy of an evicted prefix block
     tier_hit_tokens: int = 0  # of prefix_hit_tokens, those brought back from the CPU tier
+    evicted_tokens: int = 0  # tokens whose blocks eviction policies released (StreamingLLM, H2O), so far
 
     @property
     def total_bytes(self) -> int:

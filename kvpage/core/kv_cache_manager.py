@@ -10,7 +10,10 @@ What the scheduler calls (plain data in, plain data out):
     free(seq_id)
 
 and, for parallel sampling, beam search and preemption: `fork`, `swap_out`, `swap_in`. With a CPU
-tier (`num_tier_blocks`), `take_tier_transfers()` hands the scheduler each step's copies. The manager
+tier (`num_tier_blocks`), `take_tier_transfers()` hands the scheduler each step's copies. For a
+sequence with an eviction policy (core/eviction.py): `evict(seq_id, mass)` after each step releases
+the blocks the policy drops, `prepare_sinks(seq_id)` keeps StreamingLLM's sink blocks rotated, and
+`attention_table(seq_id)` is what attention reads. The manager
 owns blocks, not tokens: token ids belong to the request and are passed in where content matters
 (hashing a full block). A block table grows one block at a time; nothing is reserved up to a
 maximum length. Each sequence's table obeys
@@ -18,6 +21,15 @@ maximum length. Each sequence's table obeys
     len(block_table) == ceil(num_tokens / block_size)        num_tokens: tokens with a slot
 
 and token t sits in slot `block_table[t // B] * B + t % B` (see `slot_mapping`).
+
+Holes: a block an eviction policy released stays in the table as HOLE (-1), so logical indices (and
+the chain of digests) keep their meaning; only full blocks before the last can be holes, and
+attention reads the table without them (`attention_table`: the compacted table and how many tokens
+are missing from it, always whole blocks before the window). A sequence that has evicted anything
+registers no more blocks in the prefix cache: what it computes afterwards attended to a partial
+context, so it is not the KV those tokens have in anyone else's sequence. StreamingLLM sequences
+also hold rotated copies of their sink blocks once they evict (`prepare_sinks`): the originals may
+be shared, so the rotation is written into private blocks, always from the original (no drift).
 
 In-batch prefix sharing: `cache_blocks` registers a full block as soon as the step that writes its
 KV is scheduled, so a sequence admitted later in the same step hits it. That is safe because every
@@ -43,9 +55,11 @@ from dataclasses import dataclass, field
 from kvpage.core.admission import Admission, AdmissionStatus
 from kvpage.core.block_pool import Block, BlockPool
 from kvpage.core.cache_stats import CacheStats
+from kvpage.core.eviction import EvictionPolicy
 from kvpage.core.prefix_cache import CacheKey, PrefixCache, extra_keys_for, hash_block
 
 SeqId = Hashable  # opaque to the manager: the scheduler uses (request_id, index)
+HOLE = -1  # a block-table entry whose block an eviction policy released
 
 
 class InvariantError(AssertionError):
@@ -78,6 +92,15 @@ class _Sequence:
     block_hashes: list[bytes]  # chain digests of leading full blocks (as far as they were hashed)
     num_registered: int = 0  # leading blocks already offered to the prefix cache
     on_cpu: bool = False
+    policy: EvictionPolicy | None = None
+    num_evicted: int = 0  # tokens whose blocks were released (HOLE entries * block_size)
+    scores: list[float] = field(default_factory=list)  # H2O: attention mass per logical block, accumulated
+    sink_copies: list[int] = field(default_factory=list)  # StreamingLLM: rotated copies of the sink blocks
+    sink_shift: int = 0  # the positions those copies are rotated by
+
+    @property
+    def resident(self) -> list[int]:
+        return [b for b in self.block_ids if b != HOLE]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -124,6 +147,7 @@ class KVCacheManager:
         self._restores: list[tuple[int, int]] = []  # (tier block, pool block)
         self._pinned: list[Block] = []  # tier blocks read by the step
         self.num_tier_hit_tokens = 0
+        self.num_evicted_tokens = 0  # released by eviction policies, since the start
 
     # ------------------------------------------------------------------ queries
     @property
@@ -137,7 +161,24 @@ class KVCacheManager:
         return self._seq(seq_id).on_cpu
 
     def block_table(self, seq_id: SeqId) -> list[int]:
+        """The logical table (HOLE where a policy released a block)."""
         return list(self._seq(seq_id).block_ids)
+
+    def attention_table(self, seq_id: SeqId) -> tuple[list[int], int]:
+        """What attention reads: the resident blocks in order (a StreamingLLM sequence's sink blocks
+        replaced by their rotated copies) and the number of tokens missing before them."""
+        seq = self._seq(seq_id)
+        if not seq.num_evicted:
+            return list(seq.block_ids), 0
+        table = seq.resident
+        if self._num_sinks(seq):
+            if not seq.sink_copies or seq.sink_shift != seq.num_evicted:
+                raise RuntimeError(f"sequence {seq_id!r}: sink copies are stale; call prepare_sinks first")
+            table[: len(seq.sink_copies)] = seq.sink_copies
+        return table, seq.num_evicted
+
+    def num_evicted(self, seq_id: SeqId) -> int:
+        return self._seq(seq_id).num_evicted
 
     def num_tokens(self, seq_id: SeqId) -> int:
         return self._seq(seq_id).num_tokens
@@ -184,7 +225,7 @@ class KVCacheManager:
             raise IndexError(f"{num_tokens} cached tokens but the sequence has slots for {seq.num_tokens}")
         if num_tokens > len(token_ids):
             raise IndexError(f"{num_tokens} cached tokens but only {len(token_ids)} token ids were given")
-        if self.prefix_cache is None or seq.on_cpu:
+        if self.prefix_cache is None or seq.on_cpu or seq.num_evicted:
             return
         bs, num_full = self.block_size, num_tokens // self.block_size
         for i in range(seq.num_registered, num_full):
@@ -235,7 +276,10 @@ class KVCacheManager:
                 self.pool.uncache(block)
         self._unpin()
         for seq in self._seqs.values():  # re-registration must start where the valid blocks end
-            while seq.num_registered and self.pool.blocks[seq.block_ids[seq.num_registered - 1]].cache_key is None:
+            while seq.num_registered and not seq.on_cpu:
+                b = seq.block_ids[seq.num_registered - 1]
+                if b == HOLE or self.pool.blocks[b].cache_key is not None:
+                    break
                 seq.num_registered -= 1
         self._uncommitted.clear()
 
@@ -275,10 +319,16 @@ class KVCacheManager:
         status = AdmissionStatus.NOW if needed <= available else AdmissionStatus.LATER
         return Admission(status, needed, available, None, prefix, shared)
 
-    def admit(self, seq_ids: Sequence[SeqId], token_lists: Sequence[Sequence[int]], adm: Admission) -> None:
+    def admit(
+        self,
+        seq_ids: Sequence[SeqId],
+        token_lists: Sequence[Sequence[int]],
+        adm: Admission,
+        policy: EvictionPolicy | None = None,
+    ) -> None:
         """Create a request's sequences with slots for all their tokens, as `check_admission` planned
         (it must have answered NOW, with nothing allocated since). Nothing is registered: the caller
-        registers what each step computes with `cache_blocks`."""
+        registers what each step computes with `cache_blocks`. `policy`: the sequences' eviction policy."""
         if adm.status is not AdmissionStatus.NOW or not len(adm.shared_blocks) == len(seq_ids) == len(token_lists):
             raise RuntimeError("admit() needs a NOW admission for exactly these sequences")
         if adm.blocks_needed > self.pool.num_free - sum(b.ref_count == 0 for b in self._prefix_blocks(adm.prefix)):
@@ -288,7 +338,7 @@ class KVCacheManager:
             raise ValueError(f"admit() needs new, distinct sequence ids; got {list(seq_ids)!r}")
         lead, lead_tokens = seq_ids[0], token_lists[0]
         prefix = adm.prefix
-        self._create(lead, prefix)
+        self._create(lead, prefix, policy)
         self._grow(self._seqs[lead], len(lead_tokens) - prefix.num_tokens)  # type: ignore[union-attr]
         for seq_id, tokens, m in zip(seq_ids[1:], token_lists[1:], adm.shared_blocks[1:], strict=True):
             self.fork(lead, seq_id, num_blocks=m)
@@ -301,7 +351,11 @@ class KVCacheManager:
     def num_blocks_to_grow(self, growth: Sequence[tuple[SeqId, int]]) -> int:
         """Blocks that `allocate_slots(seq_id, n)` for each (seq_id, n), in this order, would take.
         Exact for sequences sharing a partly filled last block: of r appenders to a block that R
-        tables hold, r - 1 copy it, and the last one copies too only if someone else still holds it."""
+        tables hold, r - 1 copy it, and the last one copies too only if someone else still holds it.
+        StreamingLLM sink copies that `prepare_sinks` will take for them are included."""
+        return self._growth_blocks(growth) + self.num_blocks_for_sinks([s for s, _ in growth])
+
+    def _growth_blocks(self, growth: Sequence[tuple[SeqId, int]]) -> int:
         bs, total = self.block_size, 0
         appenders: Counter[int] = Counter()
         for seq_id, n in growth:
@@ -315,8 +369,39 @@ class KVCacheManager:
             total += r - 1 + (self.pool.blocks[block_id].ref_count > r)
         return total
 
+    def num_blocks_for_sinks(self, seq_ids: Sequence[SeqId]) -> int:
+        """Blocks `prepare_sinks` would take for these sequences: new copies for a sequence that has
+        none, and for those sharing stale copies all but the last one of r (and that one too if
+        someone else still holds them)."""
+        total, stale = 0, Counter()
+        for seq_id in dict.fromkeys(seq_ids):
+            seq = self._seq(seq_id)
+            n = self._num_sinks(seq)
+            if not n or (seq.sink_copies and seq.sink_shift == seq.num_evicted):
+                continue
+            if not seq.sink_copies:
+                total += n
+            else:
+                stale[seq.sink_copies[0]] += 1
+        for first, r in stale.items():
+            holders = self.pool.blocks[first].ref_count
+            total += (r - 1 + (holders > r)) * len(self._sink_group(first))
+        return total
+
+    def _sink_group(self, first: int) -> list[int]:
+        for seq in self._seqs.values():
+            if seq.sink_copies and seq.sink_copies[0] == first:
+                return seq.sink_copies
+        return []
+
+    def _num_sinks(self, seq: _Sequence) -> int:
+        """Sink blocks this sequence keeps rotated: StreamingLLM's, once it evicted anything."""
+        if seq.policy is None or not seq.policy.reposition or not seq.num_evicted:
+            return 0
+        return seq.policy.sink_blocks(self.block_size)
+
     def num_blocks_to_swap_in(self, seq_ids: Sequence[SeqId]) -> int:
-        return len({b for s in seq_ids for b in self._seq(s).block_ids})
+        return len({b for s in seq_ids for b in self._seq(s).resident})
 
     def can_swap_in(self, seq_ids: Sequence[SeqId], *, keep_watermark: bool = True) -> bool:
         """Would `swap_in(seq_ids)` find its blocks now, keeping the watermark when asked (the same
@@ -326,12 +411,16 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ allocation
     def allocate_slots(
-        self, seq_id: SeqId, num_new_tokens: int, prefix: CachedPrefix | None = None
+        self,
+        seq_id: SeqId,
+        num_new_tokens: int,
+        prefix: CachedPrefix | None = None,
+        policy: EvictionPolicy | None = None,
     ) -> SlotAllocation | None:
         """Give `num_new_tokens` more tokens slots at the end of the sequence, creating it on first
-        use (from `prefix`, whose blocks it then shares). Returns None, changing nothing, when the
-        pool lacks room. Appending into a shared, partly filled last block first copies it
-        (copy-on-write)."""
+        use (from `prefix`, whose blocks it then shares, with eviction `policy`). Returns None,
+        changing nothing, when the pool lacks room. Appending into a shared, partly filled last block
+        first copies it (copy-on-write)."""
         seq = self._seqs.get(seq_id)
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -345,12 +434,12 @@ class KVCacheManager:
                 raise ValueError(f"sequence {seq_id!r} exists already; a prefix only starts one")
             if seq.on_cpu:
                 raise RuntimeError(f"sequence {seq_id!r} is swapped out; swap it in first")
-            need = self.num_blocks_needed(seq_id, num_new_tokens)
+            need = self._growth_blocks([(seq_id, num_new_tokens)])
         if need > self.pool.num_free:
             return None
         # Committed from here on: nothing below can fail.
         if seq is None:
-            seq = self._create(seq_id, prefix)
+            seq = self._create(seq_id, prefix, policy)
         return self._grow(seq, num_new_tokens)
 
     def free(self, seq_id: SeqId) -> None:
@@ -358,11 +447,11 @@ class KVCacheManager:
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
         if seq.on_cpu:
-            self.cpu_pool.free(self.cpu_pool.blocks[b] for b in seq.block_ids)
+            self.cpu_pool.free(self.cpu_pool.blocks[b] for b in seq.resident)
             self._num_swapped -= 1
         else:
-            self.pool.free(self.pool.blocks[b] for b in seq.block_ids)
-            self._num_logical -= len(seq.block_ids)
+            self.pool.free(self.pool.blocks[b] for b in seq.block_ids + seq.sink_copies if b != HOLE)
+            self._num_logical -= len(seq.resident)
 
     def fork(self, parent_id: SeqId, child_id: SeqId, num_blocks: int | None = None) -> None:
         """Make `child_id` share the first `num_blocks` blocks of `parent_id` (all of them by default:
@@ -380,18 +469,28 @@ class KVCacheManager:
                 raise ValueError(f"cannot share {num_blocks} full blocks of a sequence of {parent.num_tokens} tokens")
             num_tokens = num_blocks * bs
         shared = parent.block_ids[:num_blocks]
-        for b in shared:
-            self.pool.incref(self.pool.blocks[b])
+        holes = shared.count(HOLE)
+        if shared and shared[-1] == HOLE:
+            raise ValueError(f"cannot share {num_blocks} blocks: the last of them was evicted")
+        copies = parent.sink_copies if holes * bs == parent.num_evicted else []
+        for b in shared + copies:
+            if b != HOLE:
+                self.pool.incref(self.pool.blocks[b])
         self._seqs[child_id] = _Sequence(
             block_ids=list(shared),
             num_tokens=num_tokens,
             cache_salt=parent.cache_salt,
             block_hashes=parent.block_hashes[:num_blocks],
             num_registered=min(parent.num_registered, num_blocks),
+            policy=parent.policy,
+            num_evicted=holes * bs,
+            scores=parent.scores[:num_blocks],
+            sink_copies=list(copies),
+            sink_shift=parent.sink_shift if copies else 0,
         )
-        self._num_logical += len(shared)
+        self._num_logical += len(shared) - holes
 
-    def _create(self, seq_id: SeqId, prefix: CachedPrefix | None) -> _Sequence:
+    def _create(self, seq_id: SeqId, prefix: CachedPrefix | None, policy: EvictionPolicy | None = None) -> _Sequence:
         hits = self._prefix_blocks(prefix)
         for block in hits:
             self.pool.incref(block)
@@ -415,6 +514,7 @@ class KVCacheManager:
             cache_salt=prefix.cache_salt if prefix else None,
             block_hashes=list(prefix.block_hashes) if prefix else [],
             num_registered=len(block_ids),
+            policy=policy,
         )
         self._seqs[seq_id] = seq
         self._num_logical += len(block_ids)
@@ -447,6 +547,53 @@ class KVCacheManager:
         seq.num_tokens = end
         return alloc
 
+    # ------------------------------------------------------------------ eviction policies
+    def evict(self, seq_id: SeqId, num_computed: int, mass: Sequence[float] | None = None) -> int:
+        """After a step that left `num_computed` of the sequence's tokens in the cache: add `mass`
+        (attention received by each entry of `attention_table`, H2O) to its block scores, then
+        release the blocks its policy drops. Returns how many."""
+        seq = self._seq(seq_id)
+        if not 0 <= num_computed <= seq.num_tokens:
+            raise IndexError(f"{num_computed} computed tokens in a sequence with {seq.num_tokens} slots")
+        policy, bs = seq.policy, self.block_size
+        if policy is None or seq.on_cpu:
+            return 0
+        resident = [i for i, b in enumerate(seq.block_ids) if b != HOLE]
+        if mass is not None:
+            if len(seq.scores) < len(seq.block_ids):
+                seq.scores.extend([0.0] * (len(seq.block_ids) - len(seq.scores)))
+            for i, m in zip(resident, mass):  # mass may be shorter: blocks the step did not see
+                seq.scores[i] += m
+        full = num_computed // bs
+        kept = [i for i in resident if i < full and i < len(seq.block_ids) - 1]
+        drop = policy.evict(kept, num_computed, bs, seq.scores)
+        for i in drop:
+            self.pool.decref(self.pool.blocks[seq.block_ids[i]])  # sharers keep the block
+            seq.block_ids[i] = HOLE
+        seq.num_evicted += len(drop) * bs
+        self._num_logical -= len(drop)
+        self.num_evicted_tokens += len(drop) * bs
+        return len(drop)
+
+    def prepare_sinks(self, seq_id: SeqId) -> list[tuple[int, int, int]]:
+        """Before a StreamingLLM sequence attends: its sink copies must be rotated by the evicted
+        length. Returns the (original, copy, positions) rotations for the worker, taking new copies
+        when there are none or they are shared (the caller made room: `num_blocks_to_grow` counts them)."""
+        seq = self._seq(seq_id)
+        n = self._num_sinks(seq)
+        if not n or (seq.sink_copies and seq.sink_shift == seq.num_evicted):
+            return []
+        if not seq.sink_copies or any(self.pool.blocks[b].ref_count > 1 for b in seq.sink_copies):
+            fresh = self.pool.allocate(n)
+            if fresh is None:
+                raise InvariantError(f"no blocks for the sink copies of {seq_id!r} after the scheduler made room")
+            self.pool.free(self.pool.blocks[b] for b in seq.sink_copies)
+            for block in fresh:
+                self.pool.add_tokens(block, self.block_size)
+            seq.sink_copies = [b.block_id for b in fresh]
+        seq.sink_shift = seq.num_evicted
+        return [(seq.block_ids[i], c, seq.num_evicted) for i, c in enumerate(seq.sink_copies)]
+
     # ------------------------------------------------------------------ swap
     def swap_out(self, seq_ids: Sequence[SeqId]) -> list[tuple[int, int]] | None:
         """Move these sequences' blocks to the CPU pool. Blocks shared among them move once.
@@ -464,22 +611,27 @@ class KVCacheManager:
         for s, seq in zip(dict.fromkeys(seq_ids), seqs):
             if seq.on_cpu == to_cpu:
                 raise RuntimeError(f"sequence {s!r} is already {'swapped out' if to_cpu else 'resident'}")
-        holders = Counter(b for seq in seqs for b in seq.block_ids)  # src block -> tables holding it
+        holders = Counter(b for seq in seqs for b in seq.resident)  # src block -> tables holding it
         fresh = dst.allocate(len(holders))
         if fresh is None:
             return None
+        if to_cpu:  # rotated sink copies are derived: dropped here, made again after the swap-in
+            for seq in seqs:
+                self.pool.free(self.pool.blocks[b] for b in seq.sink_copies)
+                seq.sink_copies, seq.sink_shift = [], 0
         mapping = {}
         for src_id, dst_block in zip(holders, fresh):
             mapping[src_id] = dst_block.block_id
             dst.add_tokens(dst_block, src.blocks[src_id].num_tokens)
             for _ in range(holders[src_id] - 1):
                 dst.incref(dst_block)
+        mapping_with_holes = {**mapping, HOLE: HOLE}
         for seq in seqs:
-            src.free(src.blocks[b] for b in seq.block_ids)
-            seq.block_ids = [mapping[b] for b in seq.block_ids]
+            src.free(src.blocks[b] for b in seq.resident)
+            seq.block_ids = [mapping_with_holes[b] for b in seq.block_ids]
             seq.on_cpu = to_cpu
             seq.num_registered = 0  # fresh GPU blocks get registered again by cache_blocks
-        delta = sum(len(seq.block_ids) for seq in seqs)
+        delta = sum(len(seq.resident) for seq in seqs)
         self._num_logical += -delta if to_cpu else delta
         self._num_swapped += len(seqs) if to_cpu else -len(seqs)
         return list(mapping.items())
@@ -511,6 +663,7 @@ class KVCacheManager:
             tier_total_blocks=self.tier.num_total if self.tier else 0,
             tier_cached_blocks=len(self.tier.prefix_cache) if self.tier else 0,  # type: ignore[arg-type]
             tier_hit_tokens=self.num_tier_hit_tokens,
+            evicted_tokens=self.num_evicted_tokens,
         )
 
     def check_invariants(self, token_ids: dict[SeqId, Sequence[int]] | None = None) -> None:
@@ -519,7 +672,7 @@ class KVCacheManager:
         recomputed from the tokens too."""
         bs = self.block_size
         for pool, on_cpu in ((self.pool, False), (self.cpu_pool, True)):
-            refs = Counter(b for s in self._seqs.values() if s.on_cpu == on_cpu for b in s.block_ids)
+            refs = Counter(b for s in self._seqs.values() if s.on_cpu == on_cpu for b in s.resident + s.sink_copies)
             queued = pool.free_queue.block_ids()
             _check(len(queued) == len(set(queued)) == pool.num_free, "free queue length or duplicates")
             for block in pool.blocks:
@@ -567,7 +720,7 @@ class KVCacheManager:
             _check(self.tier.num_used_tokens == 0, "tier token counter")
             _check(all(b.cache_key is not None for b in self._pinned), "a pinned tier block lost its key")
         _check(
-            self._num_logical == sum(len(s.block_ids) for s in self._seqs.values() if not s.on_cpu),
+            self._num_logical == sum(len(s.resident) for s in self._seqs.values() if not s.on_cpu),
             "logical-block counter",
         )
         _check(self._num_swapped == sum(s.on_cpu for s in self._seqs.values()), "swapped counter")
@@ -589,7 +742,20 @@ class KVCacheManager:
                     seq.block_hashes == chain[: len(seq.block_hashes)],
                     lambda: f"{seq_id}: chain digests of other tokens",
                 )
+            holes = [i for i, b in enumerate(seq.block_ids) if b == HOLE]
+            _check(len(holes) * bs == seq.num_evicted, lambda: f"{seq_id}: holes and evicted count disagree")
+            _check(not holes or seq.policy is not None, lambda: f"{seq_id}: a hole without an eviction policy")
+            _check(all(i < min(n // bs, len(seq.block_ids) - 1) for i in holes), lambda: f"{seq_id}: a hole at the end")
+            sinks = seq.policy.sink_blocks(bs) if seq.policy is not None and seq.policy.reposition else 0
+            _check(all(i >= sinks for i in holes), lambda: f"{seq_id}: an attention sink was evicted")
+            _check(not seq.sink_copies or (len(seq.sink_copies) == sinks and seq.num_evicted and not seq.on_cpu),
+                   lambda: f"{seq_id}: sink copies without a reason")  # fmt: skip
+            for c in seq.sink_copies:
+                _check(self.pool.blocks[c].cache_key is None and self.pool.blocks[c].num_tokens == bs,
+                       lambda: f"{seq_id}: sink copy {c} is registered or not full")  # fmt: skip
             for i, b in enumerate(seq.block_ids):
+                if b == HOLE:
+                    continue
                 block = pool.blocks[b]
                 _check(block.num_tokens == min(bs, n - i * bs), lambda: f"{seq_id}: fill of block {b}")
                 key = block.cache_key

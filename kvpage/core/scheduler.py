@@ -22,6 +22,12 @@ covers a decode (1 token), a prompt chunk (chunked prefill) and a recompute afte
 Blocks a step will fill are registered in the prefix cache as it is scheduled, so a request
 admitted later in the same step shares them (the model writes each layer's K/V before attending).
 
+Requests with an eviction policy (StreamingLLM, H2O; core/eviction.py) hold slots only for what
+they compute next, run prompt chunks of at most their window, hit the prefix cache only within
+their budget (what they would have computed themselves before evicting anything), and release
+blocks after each step (`KVCacheManager.evict`), so their memory stays bounded however long they
+grow; a StreamingLLM request may run past max_model_len.
+
 `update_from_output` advances the computed counts, applies the engine's per-request decisions
 (forks, tokens, finished sequences; see step_update.py) and answers with what finished or failed.
 If the worker raised instead, `fail_step` fails the step's requests and forgets its registrations.
@@ -82,7 +88,7 @@ class Scheduler:
 
     def _unschedulable(self, req: Request) -> str | None:
         n = len(req.prompt_token_ids)
-        if n > self.max_model_len:
+        if n > self.max_model_len and not req.unbounded:
             return f"the prompt has {n} tokens, more than max_model_len={self.max_model_len}"
         if req.width > self.max_num_seqs:
             return f"it runs {req.width} sequences at once, more than max_num_seqs={self.max_num_seqs}"
@@ -123,7 +129,7 @@ class Scheduler:
             if not plan:
                 i += 1
                 continue
-            need = self._blocks_to_grow(plan)
+            need = self._blocks_to_grow(req, plan)
             while need > self.kv.pool.num_free and req.status is RequestStatus.RUNNING:
                 if self.running == [req]:  # nothing else holds blocks: it can never go on
                     self._fail(req, self._never_fits(req, need))
@@ -152,12 +158,13 @@ class Scheduler:
             return []
         end: dict[int, int] = {}  # computed by the end of this step, for siblings waiting on their lead
         plan = []
+        chunk = req.eviction.chunk_tokens(self.kv.block_size) if req.eviction is not None else budget
         for s in seqs:
             if s.depends_on is not None:
                 lead, upto = s.depends_on
                 if end.get(lead, req.sequences[lead].num_computed) < upto:
                     continue  # the lead has not yet recomputed the blocks this sequence shares
-            n = min(s.num_uncomputed, budget)
+            n = min(s.num_uncomputed, budget, chunk)
             if n <= 0:
                 break
             plan.append((s, n))
@@ -165,28 +172,38 @@ class Scheduler:
             budget -= n
         return plan
 
-    def _blocks_to_grow(self, plan: list[tuple[Sequence, int]]) -> int:
-        """Blocks the planned sequences take to give every one of their tokens a slot."""
-        return self.kv.num_blocks_to_grow([(s.key, len(s.token_ids) - self.kv.num_tokens(s.key)) for s, _ in plan])
+    def _missing_slots(self, req: Request, seq: Sequence, n: int) -> int:
+        """Slots to add before `seq` runs `n` tokens: for all its tokens, or (with an eviction policy,
+        whose memory must stay bounded) for those it runs now."""
+        upto = seq.num_computed + n if req.eviction is not None else len(seq.token_ids)
+        return max(0, upto - self.kv.num_tokens(seq.key))
+
+    def _blocks_to_grow(self, req: Request, plan: list[tuple[Sequence, int]]) -> int:
+        """Blocks the planned sequences take to give their tokens a slot (and sink copies, if due)."""
+        return self.kv.num_blocks_to_grow([(s.key, self._missing_slots(req, s, n)) for s, n in plan])
 
     def _schedule_seq(self, req: Request, seq: Sequence, n: int, out: SchedulerOutput) -> int:
-        """Slots for all of `seq`'s tokens (the caller made room), then its next `n` tokens."""
-        missing = len(seq.token_ids) - self.kv.num_tokens(seq.key)
+        """Slots for `seq`'s tokens (the caller made room), then its next `n` tokens."""
+        missing = self._missing_slots(req, seq, n)
         if missing:
             alloc = self.kv.allocate_slots(seq.key, missing)
             if alloc is None:  # the caller checked room first: this is a bookkeeping bug
                 raise InvariantError(f"no blocks for {seq.key} after the scheduler made room")
             out.copies.extend(alloc.copies)
+        out.rotations.extend(self.kv.prepare_sinks(seq.key))
         start = seq.num_computed
         self.kv.cache_blocks(seq.key, seq.token_ids, start + n)
+        table, num_evicted = self.kv.attention_table(seq.key)
         out.sequences.append(
             ScheduledSequence(
                 seq.key,
                 seq.token_ids[start : start + n],
                 start,
-                self.kv.block_table(seq.key),
+                table,
                 return_logits=start + n == len(seq.token_ids),
                 prompt_logprobs=req.want_prompt_logprobs and start < seq.num_prompt_tokens,
+                num_evicted=num_evicted,
+                want_mass=req.eviction is not None and req.eviction.name == "h2o",
             )
         )
         self._in_flight.add(req.request_id)
@@ -240,7 +257,7 @@ class Scheduler:
             self.swapped.popleft()
             self._in_flight.add(req.request_id)
             plan = self._plan(req, budget)
-            if plan and self._blocks_to_grow(plan) <= self.kv.pool.num_free:
+            if plan and self._blocks_to_grow(req, plan) <= self.kv.pool.num_free:
                 for seq, n in plan:
                     budget -= self._schedule_seq(req, seq, n, out)
         return budget
@@ -253,6 +270,9 @@ class Scheduler:
             if self.running and self.num_running_seqs() + max(len(seqs), req.width) > self.max_num_seqs:
                 return
             tokens = [s.token_ids for s in seqs]
+            if req.eviction is not None:  # slots (and prefix hits) only within the budget
+                cap = req.eviction.budget_tokens(bs)
+                tokens = [t[:cap] for t in tokens]
             adm = self.kv.check_admission(
                 tokens, req.cache_salt, use_prefix_cache=req.use_prefix_cache, keep_watermark=bool(self.running)
             )
@@ -262,7 +282,7 @@ class Scheduler:
             if adm.status is AdmissionStatus.LATER:
                 return  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.kv.admit([s.key for s in seqs], tokens, adm)
+            self.kv.admit([s.key for s in seqs], tokens, adm, req.eviction)
             lead = seqs[0]
             lead.num_computed = adm.prefix.num_tokens if adm.prefix else 0
             for s, m in zip(seqs[1:], adm.shared_blocks[1:], strict=True):
@@ -271,12 +291,23 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             for seq, n in self._plan(req, budget):
+                if req.eviction is not None:  # admitted with slots for its budget: no more this step
+                    n = min(n, self.kv.num_tokens(seq.key) - seq.num_computed)
+                    if n <= 0:
+                        continue
                 budget -= self._schedule_seq(req, seq, n, out)
 
     # ------------------------------------------------------------------ after the worker ran
-    def update_from_output(self, out: SchedulerOutput, updates: Mapping[str, RequestUpdate]) -> StepResult:
-        """The step's KV is written: advance the computed counts, apply the engine's decisions
-        (forks, then tokens, then finished sequences) and say which requests finished or failed."""
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        updates: Mapping[str, RequestUpdate],
+        attention_mass: Mapping[SeqKey, list[float]] | None = None,
+    ) -> StepResult:
+        """The step's KV is written: advance the computed counts, let eviction policies release
+        blocks (H2O scores them by `attention_mass`, per entry of the step's table), apply the
+        engine's decisions (forks, then tokens, then finished sequences) and say which requests
+        finished or failed."""
         self.kv.commit()
         self._in_flight.clear()
         result = StepResult(failed=dict(out.failed))
@@ -284,6 +315,9 @@ class Scheduler:
             req = self.requests.get(s.seq_id.request_id)  # type: ignore[attr-defined]
             if req is not None and req.status is RequestStatus.RUNNING:
                 req.sequences[s.seq_id.index].num_computed = s.seq_len  # type: ignore[attr-defined]
+                if req.eviction is not None and self.kv.has_sequence(s.seq_id):
+                    mass = attention_mass.get(s.seq_id) if attention_mass else None  # type: ignore[call-overload]
+                    self.kv.evict(s.seq_id, s.seq_len, mass)
         for request_id, update in updates.items():
             req = self.requests.get(request_id)
             if req is None or req.status is not RequestStatus.RUNNING:

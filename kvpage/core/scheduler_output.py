@@ -6,6 +6,8 @@ SchedulerOutput
   offload:   (gpu, tier) copies of evicted prefix blocks into the CPU tier: first of all
   restore:   (tier, gpu) copies of prefix hits on the CPU tier back into fresh GPU blocks: second
   swap_out:  (gpu, cpu) block copies, before the step; swap_in: (cpu, gpu) block copies
+  rotations: (src, dst, positions): dst = src with its keys rotated by `positions` (StreamingLLM's
+             sink blocks seen at cache positions), after every copy above
   failed:    requests the scheduler failed while planning (they never fit): (request_id, reason)
 
 A sequence is named by `SeqKey(request_id, index)`: plain data, never a string to split.
@@ -31,6 +33,15 @@ class ScheduledSequence:
     block_table: list[int]  # physical blocks covering num_computed + len(token_ids) tokens
     return_logits: bool = True  # logits of the last token (False for a prompt chunk that is not the last)
     prompt_logprobs: bool = False  # also return the log-probabilities over every position of this chunk
+    # Eviction policies: the table holds only resident blocks and `num_evicted` tokens before the
+    # window are missing from it (whole blocks); positions stay those of the sequence.
+    num_evicted: int = 0
+    want_mass: bool = False  # H2O: return the attention mass each block of the table received
+
+    @property
+    def kv_len(self) -> int:
+        """Keys attention sees at the last query: the sequence's tokens minus the evicted ones."""
+        return self.seq_len - self.num_evicted
 
     @property
     def seq_len(self) -> int:
@@ -45,6 +56,7 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     offload: list[tuple[int, int]] = field(default_factory=list)
     restore: list[tuple[int, int]] = field(default_factory=list)
+    rotations: list[tuple[int, int, int]] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
 
     @property
@@ -54,4 +66,7 @@ class SchedulerOutput:
     @property
     def has_work(self) -> bool:
         """Anything for the worker to do (model tokens or block copies)."""
-        return bool(self.sequences or self.copies or self.swap_out or self.swap_in or self.offload or self.restore)
+        return bool(
+            self.sequences or self.copies or self.swap_out or self.swap_in or self.offload or self.restore
+            or self.rotations
+        )  # fmt: skip

@@ -21,6 +21,7 @@ import torch
 
 from kvpage.config import EngineConfig
 from kvpage.core import CacheStats, KVCacheManager
+from kvpage.core.eviction import parse_eviction
 from kvpage.core.request import Request, Sequence
 from kvpage.core.scheduler import Scheduler
 from kvpage.core.scheduler_output import SchedulerOutput
@@ -83,7 +84,7 @@ class LLMEngine:
         max_model_len = config.max_model_len or min(context, capacity)
         if max_model_len > context:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length {context}")
-        if max_model_len > capacity:
+        if max_model_len > capacity and config.kv_eviction is None:  # (evicting requests stay within their budget)
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the KV cache's capacity of {capacity} tokens "
                 f"({num_blocks} blocks of {block_size}); raise kv_cache_memory / num_kv_blocks or lower max_model_len"
@@ -99,7 +100,8 @@ class LLMEngine:
             num_tier_blocks=num_tier_blocks,
         )
         self.kv_cache = KVCache(loaded.config, num_blocks, block_size, dtype, config.device, num_cpu_blocks,
-                                config.kv_cache_dtype, num_tier_blocks)  # fmt: skip
+                                config.kv_cache_dtype, num_tier_blocks,
+                                backend=loaded.model.attention_backend)  # fmt: skip
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.device)
         self.scheduler = Scheduler(
             self.kv_manager,
@@ -161,8 +163,9 @@ class LLMEngine:
         if bad_bias:
             raise ValueError(f"logit_bias: token id {bad_bias[0]} is outside the vocabulary [0, {vocab})")
         want_plp = not is_beam and params.prompt_logprobs is not None
+        eviction = self.config.kv_eviction if params.kv_eviction is None else parse_eviction(params.kv_eviction)
         req = Request(request_id, ids, self._arrivals, cache_salt=cache_salt, use_prefix_cache=not want_plp,
-                      want_prompt_logprobs=want_plp, width=width)  # fmt: skip
+                      want_prompt_logprobs=want_plp, width=width, eviction=eviction)  # fmt: skip
         self._arrivals += 1
         eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
         extra_stops = set() if is_beam else set(params.stop_token_ids or ())
@@ -178,7 +181,7 @@ class LLMEngine:
             arrival_time=time.monotonic(),
         )
         if is_beam:
-            limit = max(1, min(st.max_tokens, self.max_model_len - len(ids)))
+            limit = st.max_tokens if req.unbounded else max(1, min(st.max_tokens, self.max_model_len - len(ids)))
             st.beam = BeamSearch(params.beam_width, params.length_penalty, limit, st.stop_token_ids)
         self.outputs.new_seq_state(st, 0)
         self.scheduler.add_request(req)  # one that can never be scheduled is reported by the next step
@@ -222,7 +225,7 @@ class LLMEngine:
             return self._finish_step(result, {}, (t0, t1, time.perf_counter()))
         t2 = time.perf_counter()
         updates, advanced = self._process(sched, run)
-        result = self.scheduler.update_from_output(sched, updates)
+        result = self.scheduler.update_from_output(sched, updates, run.attention_mass)
         return self._finish_step(result, advanced, (t0, t1, t2))
 
     def _process(self, sched: SchedulerOutput, run: ModelRunnerOutput):

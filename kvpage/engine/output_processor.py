@@ -100,7 +100,8 @@ class OutputProcessor:
                 start, stop = hit
                 ss.text = ss.text[: start + len(stop) if params.include_stop_str_in_output else start]
                 return "stop", stop
-        if n_out >= st.max_tokens or len(tokens_before) + 1 >= self.max_model_len:
+        full = len(tokens_before) + 1 >= self.max_model_len and not st.request.unbounded  # StreamingLLM runs on
+        if n_out >= st.max_tokens or full:
             return "length", None
         return None, None
 

@@ -138,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None, ops: TorchLayerOps | None = None):
         super().__init__()
         self.config = cfg
-        backend = backend or get_backend("torch")
+        self.attention_backend = backend = backend or get_backend("torch")
         self.ops = ops = ops or TorchLayerOps()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, ops) for _ in range(cfg.num_layers))

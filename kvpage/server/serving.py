@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import Request
 
+from kvpage.core.eviction import parse_eviction
 from kvpage.outputs import PositionLogprobs, RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams
 from kvpage.server.async_engine import AsyncEngine, EngineUnavailable
@@ -92,8 +93,19 @@ class OpenAIServing:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.served_model_name!r}",
                            param="model", code="model_not_found")  # fmt: skip
 
-    def check_length(self, ids: list[int], max_tokens: int | None) -> int:
+    def eviction(self, req):
+        """The request's eviction policy: its own `kv_eviction`, else the engine's; 400 if malformed."""
+        if req.kv_eviction is None:
+            return self.engine.config.kv_eviction
+        try:
+            return parse_eviction(req.kv_eviction)
+        except ValueError as e:
+            raise APIError(400, str(e), param="kv_eviction") from None
+
+    def check_length(self, ids: list[int], max_tokens: int | None, eviction=None) -> int:
         limit = self.engine.max_model_len
+        if eviction is not None and eviction.reposition:  # StreamingLLM runs past the context
+            return max_tokens if max_tokens is not None else max(1, limit - len(ids))
         if len(ids) >= limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
                                 f"{len(ids)} tokens", param="prompt", code="context_length_exceeded")  # fmt: skip
@@ -123,12 +135,13 @@ class OpenAIServing:
                         raise APIError(400, f"{name} is not supported with use_beam_search", param=name)
                 return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
                                         length_penalty=float(req.length_penalty),
-                                        include_stop_str_in_output=req.include_stop_str_in_output)  # fmt: skip
+                                        include_stop_str_in_output=req.include_stop_str_in_output,
+                                        kv_eviction=req.kv_eviction)  # fmt: skip
             kw = dict(n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed, logprobs=logprobs,
                       prompt_logprobs=prompt_logprobs, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
                       stop_token_ids=req.stop_token_ids, skip_special_tokens=req.skip_special_tokens,
                       include_stop_str_in_output=req.include_stop_str_in_output,
-                      logit_bias=req.logit_bias or None)  # fmt: skip
+                      logit_bias=req.logit_bias or None, kv_eviction=req.kv_eviction)  # fmt: skip
             for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
                          "repetition_penalty"):  # fmt: skip
                 value = getattr(req, name)

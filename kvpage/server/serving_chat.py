@@ -28,7 +28,7 @@ class ChatServing(OpenAIServing):
             ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         except (ValueError, TemplateError) as e:
             raise APIError(400, f"messages: {e}", param="messages") from None
-        max_tokens = self.check_length(ids, req.max_completion_tokens or req.max_tokens)
+        max_tokens = self.check_length(ids, req.max_completion_tokens or req.max_tokens, self.eviction(req))
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = self.params(req, max_tokens, top, req.prompt_logprobs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -36,7 +36,8 @@ class CompletionServing(OpenAIServing):
                 raise APIError(400, "the prompt is empty", param="prompt")
             if any(not 0 <= t < vocab for t in ids):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        max_tokens = min(self.check_length(ids, req.max_tokens) for ids in token_lists)
+        eviction = self.eviction(req)
+        max_tokens = min(self.check_length(ids, req.max_tokens, eviction) for ids in token_lists)
         echo_lp = req.echo and req.logprobs is not None
         plp = max(req.prompt_logprobs or 0, req.logprobs or 0) if echo_lp or req.prompt_logprobs is not None else None
         params = self.params(req, max_tokens, req.logprobs, plp)

@@ -78,19 +78,27 @@ def windows_of(token_ids: list[int], window: int) -> list[list[int]]:
     return [w for w in out if len(w) >= 2]
 
 
-def perplexity(llm, token_ids: list[int], window: int = 1024) -> PerplexityResult:
-    """exp(mean NLL) of `token_ids` scored by `llm` (a kvpage LLM) window by window."""
+def token_nlls(llm, token_ids: list[int], window: int = 1024, kv_eviction=None) -> list[list[float]]:
+    """The negative log-likelihood of every token but each window's first, window by window, as the
+    engine computes it (`kv_eviction`: the windows' eviction policy, core/eviction.py)."""
     from kvpage.sampling_params import SamplingParams
 
     wins = windows_of(token_ids, window)
     if not wins:
         raise ValueError("no window of at least 2 tokens to score")
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    nll, count = 0.0, 0
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, kv_eviction=kv_eviction)
+    out_nlls = []
     for out, win in zip(llm.generate(wins, params, use_tqdm=False), wins, strict=True):
         positions = out.prompt_logprobs
+        if out.error is not None:
+            raise RuntimeError(out.error)
         assert positions is not None and len(positions) == len(win), "the engine returned no prompt logprobs"
-        for tok, pos in zip(win[1:], positions[1:], strict=True):
-            nll -= pos[tok].logprob
-            count += 1
-    return PerplexityResult(math.exp(nll / count), nll, count, len(wins))
+        out_nlls.append([-pos[tok].logprob for tok, pos in zip(win[1:], positions[1:], strict=True)])
+    return out_nlls
+
+
+def perplexity(llm, token_ids: list[int], window: int = 1024, kv_eviction=None) -> PerplexityResult:
+    """exp(mean NLL) of `token_ids` scored by `llm` (a kvpage LLM) window by window."""
+    nlls = token_nlls(llm, token_ids, window, kv_eviction)
+    nll, count = sum(map(sum, nlls)), sum(map(len, nlls))
+    return PerplexityResult(math.exp(nll / count), nll, count, len(nlls))

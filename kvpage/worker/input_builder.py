@@ -2,6 +2,8 @@
 
 Sequences are reordered decodes first (the attention backend attends all decodes as one batch);
 `logits_index` picks the row of each sequence's last token out of the flat hidden states.
+A sequence whose policy evicted blocks attends over its resident blocks only: its key count is
+`kv_len` (tokens minus the evicted ones) while its positions stay those of the sequence.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ def build_inputs(scheduled: list[ScheduledSequence], block_size: int, device: to
             logits_rows.append(len(ids) - 1)
             logits_seq_ids.append(s.seq_id)
     meta = AttentionMetadata.build(
-        [len(s.token_ids) for s in seqs], [s.seq_len for s in seqs], [s.block_table for s in seqs], block_size, device
-    )
+        [len(s.token_ids) for s in seqs], [s.kv_len for s in seqs], [s.block_table for s in seqs], block_size, device,
+        want_mass=[s.want_mass for s in seqs],
+    )  # fmt: skip
     return ModelInputs(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),

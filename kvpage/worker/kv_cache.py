@@ -1,9 +1,10 @@
 """The physical KV cache: per layer, a `LayerKV` of every block, on the device and on the CPU.
 
-Layout per layer: [num_blocks, num_kv_heads, block_size, head_dim] (head-major inside a block, so
-one head's blocks gather into contiguous matrices; see attention/torch_ref.py). Token t of a
-sequence is at cache[block_table[t // B], :, t % B, :]. Repeated K/V heads of grouped-query
-attention are never stored: a cache holds num_kv_heads heads only.
+The attention backend owns the layout (`AttentionBackend.allocate_kv`; the reference one is
+[num_blocks, num_kv_heads, block_size, head_dim], head-major inside a block, so one head's blocks
+gather into contiguous matrices; see attention/torch_ref.py). Everything here moves whole blocks
+along dimension 0, whatever the layout. Repeated K/V heads of grouped-query attention are never
+stored: a cache holds num_kv_heads heads only.
 
 With a quantized KV dtype ("int8", "fp8"; kvpage/worker/kv_quant.py) each layer also holds the
 scales, [num_blocks, num_kv_heads, block_size] float32 for K and for V: they belong to the block,
@@ -14,7 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from kvpage.attention.backend import AttentionBackend
+from kvpage.attention.kv_quant import dequantize, quantize
 from kvpage.attention.layer_kv import LayerKV
+from kvpage.attention.torch_ref import TorchReferenceBackend
 from kvpage.core.kv_bytes import kv_bytes_per_block
 from kvpage.models.config import ModelConfig
 
@@ -37,20 +41,20 @@ class KVCache:
         num_cpu_blocks: int = 0,
         kv_cache_dtype: str = "auto",
         num_tier_blocks: int = 0,
+        backend: AttentionBackend | None = None,  # whose layout the blocks take (default: the reference's)
     ) -> None:
         self.block_size = block_size
         self.kind = kv_cache_dtype
-        shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
-        cpu_shape = (num_cpu_blocks, *shape[1:])
-        self.layers = [LayerKV.allocate(shape, dtype, kv_cache_dtype, device) for _ in range(cfg.num_layers)]
+        allocate = (backend or TorchReferenceBackend).allocate_kv
         pin = torch.device(device).type == "cuda"
-        self.cpu_layers = [
-            LayerKV.allocate(cpu_shape, dtype, kv_cache_dtype, "cpu", pin) for _ in range(cfg.num_layers)
-        ]
-        tier_shape = (num_tier_blocks, *shape[1:])  # the CPU tier of the prefix cache
-        self.tier_layers = [
-            LayerKV.allocate(tier_shape, dtype, kv_cache_dtype, "cpu", pin) for _ in range(cfg.num_layers)
-        ]
+
+        def pool(n: int, where, pinned: bool = False) -> list[LayerKV]:
+            return [allocate(n, cfg.num_kv_heads, block_size, cfg.head_dim, dtype, kv_cache_dtype, where, pinned)
+                    for _ in range(cfg.num_layers)]  # fmt: skip
+
+        self.layers = pool(num_blocks, device)
+        self.cpu_layers = pool(num_cpu_blocks, "cpu", pin)
+        self.tier_layers = pool(num_tier_blocks, "cpu", pin)  # the CPU tier of the prefix cache
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -65,6 +69,32 @@ class KVCache:
         for layer in self.layers:
             for t in layer.tensors():
                 t.index_copy_(0, dst, t.index_select(0, src))
+
+    def rotate_blocks(self, rotations: list[tuple[int, int, int]], inv_freq: torch.Tensor) -> None:
+        """(src, dst, positions): dst's keys = src's keys rotated by `positions` more (RoPE, the
+        model's rotate-half convention), values copied; every layer. StreamingLLM's sink blocks, seen
+        at cache positions. Always from the unrotated original, in float32 (requantized if int8/fp8)."""
+        if not rotations:
+            return
+        device = self.layers[0].k.device
+        src, dst = self._index([(s, d) for s, d, _ in rotations], device)
+        shift = torch.tensor([p for _, _, p in rotations], dtype=torch.float64, device=device)
+        angles = shift[:, None] * inv_freq.to(device=device, dtype=torch.float64)[None, :]  # [P, d/2]
+        angles = torch.cat((angles, angles), dim=-1)[:, None, None, :]  # [P, 1, 1, d]
+        cos, sin = angles.cos().float(), angles.sin().float()
+        for layer in self.layers:
+            k = layer.k[src]  # (indexing, not index_select: it takes float8 too)
+            k = dequantize(k, layer.k_scale[src], torch.float32) if layer.quantized else k.float()
+            half = k.shape[-1] // 2
+            rotated = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
+            if layer.quantized:
+                q, s = quantize(rotated, layer.kind)
+                layer.k[dst], layer.k_scale[dst] = q, s  # type: ignore[index]
+                layer.v_scale.index_copy_(0, dst, layer.v_scale.index_select(0, src))  # type: ignore[union-attr]
+            else:
+                layer.k.index_copy_(0, dst, rotated.to(layer.k.dtype))
+            values = layer.tensors()[1]
+            values.index_copy_(0, dst, values.index_select(0, src))
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, cpu block) pairs."""

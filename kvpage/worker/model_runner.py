@@ -26,6 +26,8 @@ class ModelRunnerOutput:
     logits: torch.Tensor  # [len(seq_ids), vocab] float32
     # seq_id -> [len(chunk), vocab] float32 log-softmax; row i is the distribution of the token after token i
     prompt_logprobs: dict[Hashable, torch.Tensor] = field(default_factory=dict)
+    # H2O: seq_id -> attention mass each entry of its block table received, per head and layer
+    attention_mass: dict[Hashable, list[float]] = field(default_factory=dict)
 
     def logits_of(self, seq_id: Hashable) -> torch.Tensor:
         return self.logits[self.seq_ids.index(seq_id)]
@@ -47,6 +49,7 @@ class ModelRunner:
         kv.swap_out(step.swap_out)  # read the victims' blocks before anything can overwrite them
         kv.swap_in(step.swap_in)
         kv.copy_blocks(step.copies)
+        kv.rotate_blocks(step.rotations, self.model.rotary.inv_freq)  # sources are resident by now
         t1 = time.perf_counter()
         if not step.sequences:
             return ModelRunnerOutput([], torch.empty(0))
@@ -55,6 +58,13 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, kv.layers, inputs.meta)
         logits = self.model.compute_logits(hidden[inputs.logits_index]).float()
         out = ModelRunnerOutput(inputs.logits_seq_ids, logits)
+        mass = inputs.meta.block_mass
+        if mass is not None:
+            cfg = self.model.config
+            per = mass / (cfg.num_layers * cfg.num_heads)
+            for row, s in enumerate(inputs.sequences):
+                if s.want_mass:
+                    out.attention_mass[s.seq_id] = per[row, : len(s.block_table)].tolist()
         start = 0
         for s in inputs.sequences:
             end = start + len(s.token_ids)

@@ -182,3 +182,45 @@ def test_a_quantized_cache_attends_to_exactly_its_dequantized_values(kind, backe
         torch.testing.assert_close(out[start : start + new], expected, atol=1e-5, rtol=1e-5)
         start += new
     assert kv.k.dtype == STORAGE[kind] and kv.k_scale.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_mass_per_block_is_the_softmax_each_block_received(backend):
+    """H2O's scores: decodes and prefill chunks (with and without context) report, per block of the
+    table, the softmax mass summed over heads and queries; the output stays the dense attention."""
+    g = torch.Generator().manual_seed(11)
+    heads, kv_heads, d, bs = 4, 2, 16, 4
+    shapes = [(9, 1), (13, 1), (6, 6), (15, 5)]  # 2 decodes, a fresh prefill, a chunk after context
+    tables, next_block, full = [], 0, []
+    num_blocks = sum(math.ceil(n / bs) for n, _ in shapes)
+    k_cache = torch.zeros(num_blocks, kv_heads, bs, d)
+    v_cache = torch.zeros_like(k_cache)
+    for n, new in shapes:
+        q, k, v = (torch.randn(n, h, d, generator=g) for h in (heads, kv_heads, kv_heads))
+        table = list(range(next_block, next_block + math.ceil(n / bs)))
+        next_block += len(table)
+        for t in range(n - new):
+            k_cache[table[t // bs], :, t % bs], v_cache[table[t // bs], :, t % bs] = k[t], v[t]
+        tables.append(table)
+        full.append((q, k, v))
+    meta = AttentionMetadata.build([new for _, new in shapes], [n for n, _ in shapes], tables, bs,
+                                   want_mass=[True, False, True, True])  # fmt: skip
+    assert meta.block_mass is not None and meta.block_mass.shape == (4, 4)
+    q_in = torch.cat([q[n - new :] for (n, new), (q, _, _) in zip(shapes, full, strict=True)])
+    k_in = torch.cat([k[n - new :] for (n, new), (_, k, _) in zip(shapes, full, strict=True)])
+    v_in = torch.cat([v[n - new :] for (n, new), (_, _, v) in zip(shapes, full, strict=True)])
+    out = get_backend(backend).forward(q_in, k_in, v_in, LayerKV(k_cache, v_cache), meta, d**-0.5)
+    start = 0
+    for i, ((n, new), (q, k, v)) in enumerate(zip(shapes, full, strict=True)):
+        torch.testing.assert_close(out[start : start + new], dense_reference(q, k, v, d**-0.5)[n - new :],
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+        start += new
+        if i == 1:
+            continue  # a decode that did not ask: its row is whatever is cheapest
+        kr = k.repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, kr) * d**-0.5
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        per_token = scores.softmax(-1)[:, n - new :].sum((0, 1))  # [n]
+        expected = torch.nn.functional.pad(per_token, (0, len(tables[i]) * bs - n)).view(-1, bs).sum(-1)
+        torch.testing.assert_close(meta.block_mass[i, : len(tables[i])], expected, atol=1e-5, rtol=1e-5)
+        assert math.isclose(meta.block_mass[i].sum().item(), heads * new, rel_tol=1e-5)

@@ -80,11 +80,24 @@ class KVMemory:
         else:
             self._copy_blocks(self.cpu, self.gpu, pairs)
 
+    def rotate(self, rotations: list[tuple[int, int, int]]) -> None:
+        """StreamingLLM's sink copies: in token terms a copy (the rotation changes the keys, not whose they are)."""
+        self.copy([(src, dst) for src, dst, _ in rotations])
+
     def read(self, seq_id: Hashable) -> list[int | None]:
+        """The sequence's tokens through its block table (None where a policy released the block)."""
         bs = self.mgr.block_size
         mem = self.cpu if self.mgr.is_swapped(seq_id) else self.gpu
         table = self.mgr.block_table(seq_id)
-        return [mem.get(table[t // bs] * bs + t % bs) for t in range(self.mgr.num_tokens(seq_id))]
+        return [None if table[t // bs] < 0 else mem.get(table[t // bs] * bs + t % bs)
+                for t in range(self.mgr.num_tokens(seq_id))]  # fmt: skip
+
+    def read_attended(self, seq_id: Hashable) -> list[int | None]:
+        """What attention reads: the compacted table of `attention_table`."""
+        bs = self.mgr.block_size
+        table, missing = self.mgr.attention_table(seq_id)
+        n = self.mgr.num_tokens(seq_id) - missing
+        return [self.gpu.get(table[t // bs] * bs + t % bs) for t in range(n)]
 
     def check(self, computed: Mapping[Hashable, int] | None = None) -> None:
         """Every sequence reads back its own tokens: all of them, or its first `computed[seq_id]`
@@ -94,4 +107,6 @@ class KVMemory:
             tokens = self.tokens[seq_id]
             assert len(tokens) == self.mgr.num_tokens(seq_id), f"{seq_id}: slots for other than its tokens"
             n = len(tokens) if computed is None else computed[seq_id]
-            assert self.read(seq_id)[:n] == list(tokens[:n]), f"{seq_id} reads back other KV"
+            table, bs = self.mgr.block_table(seq_id), self.mgr.block_size
+            expect = [None if table[t // bs] < 0 else tok for t, tok in enumerate(tokens[:n])]  # holes read nothing
+            assert self.read(seq_id)[:n] == expect, f"{seq_id} reads back other KV"

@@ -688,6 +688,7 @@ def test_stats_fields_exact():
         tier_total_blocks=0,
         tier_cached_blocks=0,
         tier_hit_tokens=0,
+        evicted_tokens=0,
     )
     assert dataclasses.asdict(st) == expected
     assert st.usage == pytest.approx(2 / 11)

@@ -11,11 +11,15 @@ served a hit whose KV was never written is caught where it happens. Each run end
 everything and checking the pools are fully free.
 """
 
-from hypothesis import HealthCheck, settings
+import os
+
+import pytest
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvpage.core import AdmissionStatus, KVCacheManager
+from kvpage.core.eviction import H2O, StreamingLLM
 from tests.core.kv_memory import KVMemory
 
 # A few shared "system prompts" so that random prompts often share prefixes.
@@ -43,6 +47,11 @@ class ManagerMachine(RuleBasedStateMachine):
         self.created: set[str] = set()  # sequences created in the current step
         self.step_start: dict[str, int] = {}  # computed count before the current step, of those it touched
         self.next_id = 0
+
+    policies: list = [None]  # eviction policies given to new sequences in turn (EvictingManagerMachine)
+
+    def policy_of(self, seq_id: str):
+        return self.policies[int(seq_id[1:]) % len(self.policies)]
 
     def resident(self):
         return [s for s in self.mgr.seq_ids() if not self.mgr.is_swapped(s)]
@@ -80,7 +89,7 @@ class ManagerMachine(RuleBasedStateMachine):
         admission = self.mgr.check_admission([prompt], salt)
         assert admission.prefix.block_ids == hit.block_ids and admission.shared_blocks == [0]
         before = self.mgr.stats()
-        alloc = self.mgr.allocate_slots(seq_id, len(prompt) - hit.num_tokens, hit)
+        alloc = self.mgr.allocate_slots(seq_id, len(prompt) - hit.num_tokens, hit, self.policy_of(seq_id))
         if alloc is None:
             assert admission.status is not AdmissionStatus.NOW
             assert self.mgr.stats() == before and not self.mgr.has_sequence(seq_id)
@@ -120,7 +129,7 @@ class ManagerMachine(RuleBasedStateMachine):
         free_before = pool.num_free
         tiered = adm.prefix.tier_block_ids  # hits on the CPU tier (-1 in hits): each takes a new block
         taken_hits = sum(pool.blocks[b].ref_count == 0 for i, b in enumerate(hits) if i not in tiered)
-        self.mgr.admit(ids, lists, adm)
+        self.mgr.admit(ids, lists, adm, self.policy_of(ids[0]))
         self.mem.transfers()
         assert free_before - pool.num_free == adm.blocks_needed + taken_hits  # the plan's count is exact
         lead_table = self.mgr.block_table(ids[0])
@@ -139,6 +148,7 @@ class ManagerMachine(RuleBasedStateMachine):
         group = data.draw(st.lists(st.sampled_from(self.resident()), min_size=1, max_size=3, unique=True))
         growth = [(s, data.draw(st.lists(tokens, min_size=1, max_size=6))) for s in group]
         predicted = self.mgr.num_blocks_to_grow([(s, len(new)) for s, new in growth])
+        predicted -= self.mgr.num_blocks_for_sinks(group)  # (prepare_sinks takes those, not allocate_slots)
         free_before, all_fit = self.mgr.pool.num_free, True
         for seq_id, new in growth:
             before = (self.mgr.stats(), self.mgr.block_table(seq_id))
@@ -176,6 +186,10 @@ class ManagerMachine(RuleBasedStateMachine):
         num_full = self.mgr.num_tokens(parent) // self.mgr.block_size
         num_blocks = data.draw(st.none() | st.integers(0, num_full))
         child = self.new_id()
+        if num_blocks and self.mgr.block_table(parent)[num_blocks - 1] < 0:  # would end on a hole
+            with pytest.raises(ValueError, match="the last of them was evicted"):
+                self.mgr.fork(parent, child, num_blocks)
+            return
         self.mgr.fork(parent, child, num_blocks)
         n = len(self.tokens[parent]) if num_blocks is None else num_blocks * self.mgr.block_size
         self.created_now(child, self.tokens[parent][:n], min(n, self.computed[parent]))
@@ -303,3 +317,94 @@ class TieredManagerMachine(ManagerMachine):
 
 TieredManagerMachine.TestCase.settings = machine_settings(1000, 40)
 TestTieredManagerProperties = TieredManagerMachine.TestCase
+
+
+class EvictingManagerMachine(ManagerMachine):
+    """The same with eviction policies (StreamingLLM, H2O; tiny windows so that they bite): after a
+    step, sequences release blocks from the middle of their tables, leaving holes; StreamingLLM ones
+    then take rotated copies of their sinks. Holes must read nothing, everything else its own tokens
+    (through the logical table and through what attention reads), and sharers keep their blocks."""
+
+    @initialize(
+        num_blocks=st.integers(4, 16),
+        block_size=st.sampled_from([1, 2, 3]),
+        num_cpu_blocks=st.integers(0, 8),
+        caching=st.booleans(),
+        watermark=st.sampled_from([0.0, 0.1]),
+        num_tier_blocks=st.sampled_from([0, 2]),
+        policies=st.sampled_from([
+            [StreamingLLM(sink_tokens=2, window_tokens=3), None, H2O(heavy_tokens=2, recent_tokens=2)],
+            [StreamingLLM(sink_tokens=0, window_tokens=2)],
+            [H2O(heavy_tokens=0, recent_tokens=1), StreamingLLM(sink_tokens=3, window_tokens=1)],
+        ]),
+    )  # fmt: skip
+    def setup(self, num_blocks, block_size, num_cpu_blocks, caching, watermark, num_tier_blocks, policies):
+        super().setup(num_blocks, block_size, num_cpu_blocks, caching, watermark, num_tier_blocks)
+        self.policies = policies
+
+    @precondition(lambda self: [s for s in self.untouched() if not self.mgr.is_swapped(s)])
+    @rule(data=st.data())
+    def evict(self, data):
+        """After a step: a sequence's policy releases blocks (H2O scores them by a random mass)."""
+        seq_id = data.draw(st.sampled_from([s for s in self.untouched() if not self.mgr.is_swapped(s)]))
+        table = self.mgr.block_table(seq_id)
+        holders = {b: self.mgr.pool.blocks[b].ref_count for b in table if b >= 0}
+        mass = data.draw(st.lists(st.floats(0, 1), min_size=len(table), max_size=len(table)))
+        released = self.mgr.evict(seq_id, self.computed[seq_id], mass)
+        after = self.mgr.block_table(seq_id)
+        gone = [b for b, a in zip(table, after, strict=True) if b >= 0 and a < 0]
+        assert len(gone) == released
+        for b in gone:  # this sequence's reference went; every other holder keeps the block
+            assert self.mgr.pool.blocks[b].ref_count == holders[b] - 1
+        if released:
+            event(f"evicted {released} block(s)")
+
+    @precondition(lambda self: [s for s in self.untouched() if not self.mgr.is_swapped(s)])
+    @rule(data=st.data())
+    def run_and_evict(self, data):
+        """A whole step of one sequence, as the scheduler runs it: slots for a few new tokens (sink
+        copies first, if due), their KV written and registered, the step committed, then its policy."""
+        seq_id = data.draw(st.sampled_from([s for s in self.untouched() if not self.mgr.is_swapped(s)]))
+        new = data.draw(st.lists(tokens, min_size=0, max_size=4))
+        need = self.mgr.num_blocks_to_grow([(seq_id, len(new))])
+        if need > self.mgr.pool.num_free:
+            return
+        alloc = self.mgr.allocate_slots(seq_id, len(new))
+        self.touch(seq_id)
+        self.tokens[seq_id].extend(new)
+        self.mem.transfers()
+        self.mem.copy(alloc.copies)
+        self.mem.rotate(self.mgr.prepare_sinks(seq_id))
+        self.mem.transfers()
+        n = self.mgr.num_tokens(seq_id)
+        self.mem.write(seq_id, self.computed[seq_id], n)
+        self.mgr.cache_blocks(seq_id, self.tokens[seq_id], n)
+        self.computed[seq_id] = n
+        self.end_step(ok=True)
+        released = self.mgr.evict(seq_id, n, [1.0] * len(self.mgr.block_table(seq_id)))
+        if released:
+            event("run_and_evict released blocks")
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def prepare(self, data):
+        """StreamingLLM's sink copies, rotated to the evicted length, when there is room: then what
+        attention reads is exactly the resident tokens, in order."""
+        seq_id = data.draw(st.sampled_from(self.resident()))
+        need = self.mgr.num_blocks_for_sinks([seq_id])
+        if need > self.mgr.pool.num_free:
+            return
+        free_before = self.mgr.pool.num_free
+        self.mem.transfers()
+        rotations = self.mgr.prepare_sinks(seq_id)
+        self.mem.transfers()  # (taking a copy may push a cached block into the CPU tier)
+        assert free_before - self.mgr.pool.num_free == need
+        self.mem.rotate(rotations)
+        table, bs = self.mgr.block_table(seq_id), self.mgr.block_size
+        computed = self.computed[seq_id]
+        expect = [tok for t, tok in enumerate(self.tokens[seq_id][:computed]) if table[t // bs] >= 0]
+        assert self.mem.read_attended(seq_id)[: len(expect)] == expect
+
+
+EvictingManagerMachine.TestCase.settings = machine_settings(int(os.environ.get("KVPAGE_EVICT_EXAMPLES", 250)), 30)
+TestEvictingManagerProperties = EvictingManagerMachine.TestCase

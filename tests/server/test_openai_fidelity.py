@@ -120,6 +120,10 @@ def test_echo_with_logprobs_puts_the_prompt_first(server, client):
         ("/v1/completions", {"model": "smollm2", "prompt": "hi", "use_beam_search": True, "logprobs": 1}, "logprobs"),
         ("/v1/completions", {"model": "smollm2", "prompt": "hi", "prompt_logprobs": 99}, "prompt_logprobs"),
         ("/v1/completions", {"model": "smollm2", "prompt": "hi", "cache_salt": ""}, "cache_salt"),
+        ("/v1/completions", {"model": "smollm2", "prompt": "hi", "kv_eviction": "lru"}, "kv_eviction.policy"),
+        ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}],
+                                  "kv_eviction": {"policy": "streaming", "window_tokens": 0}},
+         "kv_eviction.window_tokens"),
     ],
 )  # fmt: skip
 def test_invalid_combinations_and_text_are_400s_naming_the_field(server, path, body, needle):
@@ -228,3 +232,24 @@ def test_x_request_id_is_echoed(server):
                       json={"model": "smollm2", "prompt": "hi", "max_tokens": 2, "stream": True}) as r:  # fmt: skip
         assert r.headers["x-request-id"] == "trace-44"
         r.read()
+
+
+def test_a_streaming_llm_request_runs_past_the_context(server, client):
+    """kvpage's extension `kv_eviction`: a prompt longer than max_model_len is a 400 with the full
+    cache and runs under StreamingLLM, in the same server, its blocks released as it goes."""
+    prompt = "The cat sat on the mat. " * 200  # ~1,400 tokens: more than max_model_len=1024
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model="smollm2", prompt=prompt, max_tokens=8)
+    before = server.engine.cache_stats().evicted_tokens
+    policy = {"policy": "streaming", "sink_tokens": 4, "window_tokens": 128}
+    r = client.completions.create(model="smollm2", prompt=prompt, max_tokens=8, temperature=0,
+                                  extra_body={"kv_eviction": policy, "ignore_eos": True})  # fmt: skip
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 1024
+    assert server.engine.cache_stats().evicted_tokens - before > 1000
+    before = server.engine.cache_stats().evicted_tokens
+    chunks = list(client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": prompt[:1500]}], max_tokens=4, stream=True,
+        extra_body={"kv_eviction": "h2o:heavy_tokens=64,recent_tokens=64"}))  # fmt: skip
+    assert chunks[-1].choices[0].finish_reason == "length"  # H2O keeps the original positions: within max_model_len
+    assert server.engine.cache_stats().evicted_tokens > before
+    assert_pool_free(server)

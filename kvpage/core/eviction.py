@@ -1,0 +1,141 @@
+"""Eviction policies for contexts longer than the KV budget: which whole blocks a sequence releases.
+
+Both policies work at block granularity on one sequence's block table; the KV-cache manager applies
+their answer (`KVCacheManager.evict`), leaving a hole in the table, and the attention backends see
+only the blocks that remain (kvpage/core/kv_cache_manager.py: `attention_table`).
+
+    StreamingLLM (Xiao et al., 2023): the first `sink_tokens` tokens ("attention sinks": most
+        attention mass lands on them whatever they say) plus a window of the last `window_tokens`.
+        Positions are those inside the cache, as the paper does: a sink key is seen from a query as
+        if it sat just before the window, so no query ever sees a distance longer than the cache
+        and generation runs past the model's trained context (the manager keeps the sink blocks
+        rotated by the evicted length; kvpage/worker/kv_cache.py: `rotate_blocks`).
+    H2O (Zhang et al., 2023): the `recent_tokens` most recent tokens plus `heavy_tokens` of "heavy
+        hitters", the blocks that received the most attention so far (the attention backend sums
+        each block's softmax mass over heads, queries and layers; the manager accumulates it).
+        Positions stay the original ones (as in the paper), so H2O runs within the model's context.
+
+A block is evicted only when it is full and not the last: the window always keeps at least
+`window_tokens` (`recent_tokens`) tokens, rounded up to whole blocks. Releasing a block drops this
+sequence's reference only: a block other sequences share (prefix cache, forks, beams) stays theirs.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamingLLM:
+    sink_tokens: int = 4
+    window_tokens: int = 1020
+    name = "streaming"
+    reposition = True  # sink keys are seen at cache positions (the paper's choice)
+
+    def __post_init__(self) -> None:
+        _positive_int("kv_eviction.sink_tokens", self.sink_tokens, 0)
+        _positive_int("kv_eviction.window_tokens", self.window_tokens, 1)
+
+    def budget_tokens(self, block_size: int) -> int:
+        """Tokens a sequence holds before anything is evicted (sinks and window, in whole blocks)."""
+        return (self.sink_blocks(block_size) + _cdiv(self.window_tokens, block_size)) * block_size
+
+    def sink_blocks(self, block_size: int) -> int:
+        return _cdiv(self.sink_tokens, block_size)
+
+    def chunk_tokens(self, block_size: int) -> int:
+        """The longest prompt chunk such a sequence runs in one step (the window, in whole blocks):
+        each token of a chunk sees the sinks, the window and the chunk before it."""
+        return _cdiv(self.window_tokens, block_size) * block_size
+
+    def evict(self, kept: Sequence[int], num_tokens: int, block_size: int, scores: Sequence[float]) -> list[int]:
+        """Logical indices among `kept` (full, resident blocks) to release now."""
+        sinks = self.sink_blocks(block_size)
+        return [i for i in kept if i >= sinks and (i + 1) * block_size <= num_tokens - self.window_tokens]
+
+    def describe(self) -> str:
+        return f"streaming(sink_tokens={self.sink_tokens}, window_tokens={self.window_tokens})"
+
+
+@dataclass(frozen=True, slots=True)
+class H2O:
+    heavy_tokens: int = 512
+    recent_tokens: int = 512
+    name = "h2o"
+    reposition = False  # H2O keeps the original positions
+
+    def __post_init__(self) -> None:
+        _positive_int("kv_eviction.heavy_tokens", self.heavy_tokens, 0)
+        _positive_int("kv_eviction.recent_tokens", self.recent_tokens, 1)
+
+    def budget_tokens(self, block_size: int) -> int:
+        return (_cdiv(self.heavy_tokens, block_size) + _cdiv(self.recent_tokens, block_size)) * block_size
+
+    def sink_blocks(self, block_size: int) -> int:
+        return 0
+
+    def chunk_tokens(self, block_size: int) -> int:
+        return _cdiv(self.recent_tokens, block_size) * block_size
+
+    def evict(self, kept: Sequence[int], num_tokens: int, block_size: int, scores: Sequence[float]) -> list[int]:
+        """The lowest-scored blocks outside the recent window, while more than `heavy_tokens` remain
+        (ties: the older block goes first)."""
+        old = [i for i in kept if (i + 1) * block_size <= num_tokens - self.recent_tokens]
+        excess = len(old) - _cdiv(self.heavy_tokens, block_size)
+        if excess <= 0:
+            return []
+        return sorted(sorted(old, key=lambda i: (scores[i] if i < len(scores) else 0.0, i))[:excess])
+
+    def describe(self) -> str:
+        return f"h2o(heavy_tokens={self.heavy_tokens}, recent_tokens={self.recent_tokens})"
+
+
+EvictionPolicy = StreamingLLM | H2O
+_KINDS: dict[str, type] = {"streaming": StreamingLLM, "streamingllm": StreamingLLM, "h2o": H2O}
+
+
+def parse_eviction(spec: Any, field_name: str = "kv_eviction") -> EvictionPolicy | None:
+    """A policy from a policy object, None / "none", a mapping {"policy": "streaming", "sink_tokens": 4,
+    "window_tokens": 1020}, or a string "streaming", "streaming:sink_tokens=4,window_tokens=1020",
+    "h2o:heavy_tokens=256,recent_tokens=256". ValueError naming the field otherwise."""
+    if spec is None or isinstance(spec, StreamingLLM | H2O):
+        return spec
+    if isinstance(spec, str):
+        kind, _, rest = spec.strip().partition(":")
+        params: dict[str, Any] = {}
+        for item in filter(None, (p.strip() for p in rest.split(","))):
+            key, eq, value = item.partition("=")
+            if not eq or not re.fullmatch(r"-?\d+", value.strip()):
+                raise ValueError(f"{field_name}: expected name=integer, got {item!r}")
+            params[key.strip()] = int(value)
+        spec = {"policy": kind, **params}
+    if not isinstance(spec, dict):
+        raise ValueError(f"{field_name} must be a policy name, a mapping or None; got {spec!r}")
+    params = dict(spec)
+    kind = params.pop("policy", None)
+    if not isinstance(kind, str):
+        raise ValueError(f"{field_name}.policy must be 'streaming', 'h2o' or 'none'; got {kind!r}")
+    if kind.lower() == "none":
+        if params:
+            raise ValueError(f"{field_name}: policy 'none' takes no parameters")
+        return None
+    cls = _KINDS.get(kind.lower())
+    if cls is None:
+        raise ValueError(f"{field_name}.policy must be 'streaming', 'h2o' or 'none'; got {kind!r}")
+    known = set(cls.__dataclass_fields__)  # type: ignore[attr-defined]
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ValueError(f"{field_name}: unknown field(s) for {cls.name}: {', '.join(unknown)}")
+    return cls(**params)
+
+
+def _positive_int(name: str, v: Any, lo: int) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
