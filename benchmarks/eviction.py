@@ -31,7 +31,8 @@ from kvpage.tools.perplexity import corpus_digest, english_corpus, token_nlls
 
 
 class StreamingOriginalPositions(StreamingLLM):
-    """Ablation: StreamingLLM's blocks, but the sinks keep their original positions."""
+    """Ablation: StreamingLLM's blocks, but the sinks keep their original positions (so past the
+    model's context a query sees them at distances it was never trained on)."""
 
     __slots__ = ()
     reposition = False
@@ -45,15 +46,15 @@ def ppl(nlls: list[float]) -> float:
 
 
 def record_used(llm: LLM) -> list[int]:
+    """Blocks in use as each step runs (after the scheduler took them, before anything is freed)."""
     engine, used = llm.llm_engine, []
-    step = engine.step
+    execute = engine.runner.execute
 
-    def recording_step():
-        out = step()
+    def recording_execute(step):
         used.append(engine.kv_manager.pool.num_used)
-        return out
+        return execute(step)
 
-    engine.step = recording_step
+    engine.runner.execute = recording_execute
     return used
 
 
@@ -108,6 +109,13 @@ def main() -> None:
         full_past = str(e)
     print(f"full cache on {len(long_ids):,} tokens: {full_past}", flush=True)
     seg = args.context
+    used.clear()
+    t0 = time.perf_counter()
+    per_window = token_nlls(llm, long_ids, window=seg)  # the full cache where it fits: each segment from scratch
+    flat = [x for w in per_window for x in w]
+    past.append({"config": f"full cache, each {seg:,}-token segment on its own", "perplexity": ppl(flat),
+                 "segments": [ppl(w) for w in per_window], "peak_blocks": max(used),
+                 "seconds": time.perf_counter() - t0})  # fmt: skip
     for label, policy in [
         (f"StreamingLLM 4 + {window}", StreamingLLM(4, window)),
         (f"StreamingLLM 4 + {window}, original positions", StreamingOriginalPositions(4, window)),

@@ -9,6 +9,14 @@ per-block scale is unknown until the block is full (or needs every earlier token
 a larger value arrives); a per-token scale is final when the token is written, never changes, and
 follows outlier tokens (attention sinks have keys far larger than the rest). It costs 4 bytes per
 64-value head (6%). Measured on SmolLM2 (benchmarks/kv_dtypes.py, RESULTS.md).
+
+The alternatives, measured by fake quantization on the same 8,192 tokens (benchmarks/
+kv_quant_schemes.py; perplexity change against the float32 cache): int8 per token +0.07%, per
+token with float16 scales +0.03%, per block and head +0.12% (6% fewer bytes, but it needs the
+whole block before its scale is known), K per channel per block as KIVI does +0.02% (9% more
+bytes); fp8 per token +0.53%, per block +0.68%. At 8 bits the granularity hardly matters and per
+token is the only one that works for decode. At 4 bits it does: int4 per token +18%, with K per
+channel per block (KIVI) +4.1% -- the layout to use if an int4 cache is ever added.
 """
 
 from __future__ import annotations

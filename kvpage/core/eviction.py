@@ -38,6 +38,7 @@ class StreamingLLM:
     window_tokens: int = 1020
     name = "streaming"
     reposition = True  # sink keys are seen at cache positions (the paper's choice)
+    unbounded = True  # no distance longer than the cache: it may run past max_model_len
 
     def __post_init__(self) -> None:
         _positive_int("kv_eviction.sink_tokens", self.sink_tokens, 0)
@@ -70,6 +71,7 @@ class H2O:
     recent_tokens: int = 512
     name = "h2o"
     reposition = False  # H2O keeps the original positions
+    unbounded = False  # ... so it stays within the model's context
 
     def __post_init__(self) -> None:
         _positive_int("kv_eviction.heavy_tokens", self.heavy_tokens, 0)

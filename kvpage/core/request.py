@@ -70,7 +70,7 @@ class Request:
     @property
     def unbounded(self) -> bool:
         """Its positions are those inside the cache (StreamingLLM): it may run past max_model_len."""
-        return self.eviction is not None and self.eviction.reposition
+        return self.eviction is not None and self.eviction.unbounded
 
     def __post_init__(self) -> None:
         if not self.sequences:

@@ -69,6 +69,8 @@ class _EngineCollector:
         yield self._counter("kvpage:prefix_cache_hits", "prefix-cache hits, in prompt tokens", st.prefix_hit_tokens)
         yield self._counter("kvpage:cpu_tier_hits", "of the prefix-cache hits, tokens brought back from the CPU tier",
                             st.tier_hit_tokens)  # fmt: skip
+        yield self._counter("kvpage:evicted_tokens", "tokens released by eviction policies (StreamingLLM, H2O)",
+                            st.evicted_tokens)  # fmt: skip
         tier = GaugeMetricFamily("kvpage:cpu_tier_blocks", "blocks of the prefix cache's CPU tier by state",
                                  labels=["model_name", "state"])  # fmt: skip
         tier.add_metric([model, "cached"], st.tier_cached_blocks)

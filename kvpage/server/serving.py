@@ -104,7 +104,7 @@ class OpenAIServing:
 
     def check_length(self, ids: list[int], max_tokens: int | None, eviction=None) -> int:
         limit = self.engine.max_model_len
-        if eviction is not None and eviction.reposition:  # StreamingLLM runs past the context
+        if eviction is not None and eviction.unbounded:  # StreamingLLM runs past the context
             return max_tokens if max_tokens is not None else max(1, limit - len(ids))
         if len(ids) >= limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "

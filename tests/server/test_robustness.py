@@ -72,7 +72,7 @@ VLLM_NAMES = [  # vllm:X in vLLM is kvpage:X here, same type, unit and meaning, 
 OWN_NAMES = ['kvpage:kv_cache_blocks{state="free"}', 'kvpage:kv_cache_blocks{state="used"}',
              'kvpage:kv_cache_blocks{state="cached"}', 'kvpage:kv_cache_blocks{state="shared"}',
              "kvpage:prefix_cache_hit_rate", "kvpage:num_requests_swapped", 'kvpage:kv_cache_bytes{state="total"}',
-             'kvpage:kv_cache_bytes{state="used"}', "kvpage:cpu_tier_hits_total",
+             'kvpage:kv_cache_bytes{state="used"}', "kvpage:cpu_tier_hits_total", "kvpage:evicted_tokens_total",
              'kvpage:cpu_tier_blocks{state="total"}', 'kvpage:cpu_tier_blocks{state="cached"}']  # fmt: skip
 
 
