@@ -20,6 +20,7 @@ test: $(STAMP)
 # The long versions: the scheduler simulation over 20,000 seeded workloads (CI runs 1,000).
 test-slow: $(STAMP)
 	$(PY) -m kvpage.tools.scheduler_sim --seeds 20000
+	KVPAGE_PROPERTY_SCALE=10 $(PY) -m pytest -q tests/core/test_properties.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check kvpage tests benchmarks

@@ -261,12 +261,15 @@ class ManagerMachine(RuleBasedStateMachine):
         assert st_.free_blocks == st_.total_blocks and st_.logical_blocks == 0
 
 
+SCALE = float(os.environ.get("KVPAGE_PROPERTY_SCALE", "1"))  # `make test-slow` runs 10x the examples
+
+
 def machine_settings(max_examples: int, steps: int):
-    return settings(max_examples=max_examples, stateful_step_count=steps, deadline=None,
+    return settings(max_examples=int(max_examples * SCALE), stateful_step_count=steps, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
 
 
-ManagerMachine.TestCase.settings = machine_settings(2000, 30)
+ManagerMachine.TestCase.settings = machine_settings(1000, 30)
 TestManagerProperties = ManagerMachine.TestCase
 
 
@@ -315,7 +318,7 @@ class TieredManagerMachine(ManagerMachine):
         self.add(prompt, [], None)
 
 
-TieredManagerMachine.TestCase.settings = machine_settings(1000, 40)
+TieredManagerMachine.TestCase.settings = machine_settings(500, 40)
 TestTieredManagerProperties = TieredManagerMachine.TestCase
 
 
@@ -406,5 +409,5 @@ class EvictingManagerMachine(ManagerMachine):
         assert self.mem.read_attended(seq_id)[: len(expect)] == expect
 
 
-EvictingManagerMachine.TestCase.settings = machine_settings(int(os.environ.get("KVPAGE_EVICT_EXAMPLES", 250)), 30)
+EvictingManagerMachine.TestCase.settings = machine_settings(250, 30)
 TestEvictingManagerProperties = EvictingManagerMachine.TestCase

@@ -49,24 +49,24 @@ def test_streaming_runs_thousands_of_tokens_past_max_model_len_with_a_flat_block
     llm = make_llm(num_kv_blocks=24, max_model_len=256)
     prompt = _tokens(llm, 1800)  # 7x max_model_len, 4.7x the whole pool
     used = _record_used(llm)
-    out = llm.generate([prompt], greedy(400, kv_eviction=STREAM), use_tqdm=False)[0]
-    assert len(out.outputs[0].token_ids) == 400 and out.outputs[0].finish_reason == "length"
+    out = llm.generate([prompt], greedy(300, kv_eviction=STREAM), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 300 and out.outputs[0].finish_reason == "length"
     # sink block + its rotated copy + the 64-token window (4 blocks) + a 64-token chunk (4) + a partial one
     budget = 1 + 1 + 4 + 4 + 1
     assert max(used) <= budget
-    decode = used[-350:-1]  # generation (the last step freed it all): the count never grows
+    decode = used[-280:-1]  # generation (the last step freed it all): the count never grows
     assert max(decode) - min(decode) <= 1 and max(decode) <= 1 + 1 + 4 + 1
-    assert llm.cache_stats().evicted_tokens >= 1800 + 400 - 4 * 64
+    assert llm.cache_stats().evicted_tokens >= 1800 + 300 - 4 * 64
     assert_clean(llm)
 
 
 def test_h2o_generates_far_beyond_its_budget_in_bounded_memory():
     llm = make_llm(num_kv_blocks=24, max_model_len=1024, kv_eviction=HEAVY)  # longer than the pool: H2O is the default
     used = _record_used(llm)
-    out = llm.generate([_tokens(llm, 500)], greedy(200), use_tqdm=False)[0]
-    assert len(out.outputs[0].token_ids) == 200
+    out = llm.generate([_tokens(llm, 500)], greedy(120), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 120
     assert max(used) <= 2 + 4 + 4 + 1  # heavy hitters + recent window + a chunk + a partial block
-    assert max(used[-150:-1]) <= 2 + 4 + 1
+    assert max(used[-100:-1]) <= 2 + 4 + 1
     assert_clean(llm)
 
 
@@ -102,11 +102,11 @@ def test_policies_under_preemption_in_a_tiny_pool(mode):
     """Two evicting requests with two samples each, where only one fits at a time."""
     llm = make_pressed_llm(14, mode, max_model_len=128)
     prompts = [list(range(300 + 50 * i, 300 + 50 * i + 150)) for i in range(2)]
-    params = SamplingParams(n=2, temperature=0.0, max_tokens=60, ignore_eos=True,
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=40, ignore_eos=True,
                             kv_eviction=StreamingLLM(sink_tokens=16, window_tokens=48))  # fmt: skip
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.llm_engine.scheduler.num_preemptions > 0
-    assert all(len(c.token_ids) == 60 for o in outs for c in o.outputs)
+    assert all(len(c.token_ids) == 40 for o in outs for c in o.outputs)
     if mode == "swap":  # a swapped request resumes with the same KV: the same tokens as alone
         alone = make_llm().generate(prompts, params, use_tqdm=False)
         assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in alone]
