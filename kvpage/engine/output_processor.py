@@ -19,7 +19,7 @@ from kvpage.engine.beam_search import BeamSearch
 from kvpage.models.tokenizer import Tokenizer
 from kvpage.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams
-from kvpage.worker.sampler import SampledToken
+from kvpage.worker.sampler import SampledToken, seeded_generator
 
 _CONTEXT = 6  # prompt tokens fed to a new decode stream, so the first output token decodes right
 
@@ -68,7 +68,7 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def new_seq_state(self, st: RequestState, index: int) -> SeqState:
-        g = torch.Generator().manual_seed((st.seed * 1_000_003 + index) % 2**63)
+        g = seeded_generator(st.seed, index)
         params = st.params
         skip = getattr(params, "skip_special_tokens", True)
         want_lp = getattr(params, "logprobs", None) is not None

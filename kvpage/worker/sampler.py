@@ -18,6 +18,11 @@ from dataclasses import dataclass, field
 import torch
 
 
+def seeded_generator(seed: int, index: int) -> torch.Generator:
+    """The generator of sample `index` of a request seeded `seed` (the engine's and the baselines')."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + index) % 2**63)
+
+
 @dataclass(slots=True)
 class SamplingRow:
     logits_row: int  # which row of the logits (several samples of one prompt share a row)
