@@ -6,10 +6,11 @@ the same attention backend and the same sampler as the engine. They exist to be 
                           sequence again (prompt and everything generated so far), recomputing every
                           key and value, and keeps nothing between steps.
     StaticCacheGenerator  seed 003 §3: a contiguous cache pre-allocated per request to a maximum
-                          length (`cache_k[:b, start:end]`): one [max_len] slab per batch slot and
-                          layer, reserved whether a request fills it or not. It is the paged layout
-                          with a single block of max_len slots per request, which is exactly that
-                          contiguous slab, so the same attention kernels read it.
+                          length (`cache_k[:b, start:end]`): one slab of max_len slots per batch
+                          slot and layer, reserved whether a request fills it or not. The slab is
+                          a run of consecutive blocks of the backend's layout (one contiguous
+                          piece of memory per request), so the same attention kernels read it at
+                          the same speed; only what is reserved differs from the paged cache.
 
 Both generate a batch together, one token per sequence per step, for `max_tokens` tokens (stopping
 early only at an end-of-sequence token unless `ignore_eos`), sampling with the engine's sampler and
@@ -41,13 +42,14 @@ class _Generator:
         return [backend.allocate_kv(num_slots, cfg.num_kv_heads, slot_len, cfg.head_dim, self.dtype, "auto",
                                     self.device) for _ in range(cfg.num_layers)]  # fmt: skip
 
-    def _run(self, chunks: list[list[int]], starts: list[int], slots: list[int], slot_len: int, kv) -> torch.Tensor:
-        """Run `chunks[i]` at positions starts[i].. of the sequence in slot `slots[i]`: last-token logits."""
+    def _run(self, chunks: list[list[int]], starts: list[int], tables: list[list[int]], block_size: int,
+             kv) -> torch.Tensor:  # fmt: skip
+        """Run `chunks[i]` at positions starts[i].. of the sequence whose blocks are `tables[i]`: last-token logits."""
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i]) > 1)  # one-token queries first
         ids = [t for i in order for t in chunks[i]]
         positions = [p for i in order for p in range(starts[i], starts[i] + len(chunks[i]))]
         meta = AttentionMetadata.build([len(chunks[i]) for i in order], [starts[i] + len(chunks[i]) for i in order],
-                                       [[slots[i]] for i in order], slot_len, self.device)  # fmt: skip
+                                       [tables[i] for i in order], block_size, self.device)  # fmt: skip
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), kv,
                             meta)  # fmt: skip
         last = torch.tensor(meta.query_start_loc[1:], device=self.device) - 1
@@ -101,17 +103,24 @@ class NoCacheGenerator(_Generator):
     def _next_logits(self, seqs, live) -> torch.Tensor:
         longest = max(len(seqs[i]) for i in live)
         scratch = self._allocate(len(live), longest)  # the attention API writes K/V; dropped at once
-        return self._run([seqs[i] for i in live], [0] * len(live), list(range(len(live))), longest, scratch)
+        return self._run([seqs[i] for i in live], [0] * len(live), [[i] for i in range(len(live))], longest, scratch)
 
 
 class StaticCacheGenerator(_Generator):
     """A contiguous cache of `max_len` slots per batch slot, allocated for `max_batch` requests up front."""
 
-    def __init__(self, model, max_batch: int, max_len: int, eos_token_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(self, model, max_batch: int, max_len: int, eos_token_ids: frozenset[int] = frozenset(),
+                 block_size: int = 16) -> None:  # fmt: skip
         super().__init__(model, eos_token_ids)
-        self.max_batch, self.max_len = max_batch, max_len
-        self.kv = self._allocate(max_batch, max_len)
+        self.max_batch, self.block_size = max_batch, block_size
+        self.blocks_per_slot = -(-max_len // block_size)
+        self.max_len = self.blocks_per_slot * block_size
+        self.kv = self._allocate(max_batch * self.blocks_per_slot, block_size)
         self.used_tokens = 0  # slots holding KV at the last step of the last generate()
+
+    def _slab(self, i: int) -> list[int]:
+        """Batch slot i's slab: its consecutive blocks."""
+        return list(range(i * self.blocks_per_slot, (i + 1) * self.blocks_per_slot))
 
     @property
     def reserved_slots(self) -> int:
@@ -127,9 +136,10 @@ class StaticCacheGenerator(_Generator):
     @torch.inference_mode()
     def _first_logits(self, seqs) -> torch.Tensor:
         self.used_tokens = sum(map(len, seqs))
-        return self._run(seqs, [0] * len(seqs), list(range(len(seqs))), self.max_len, self.kv)
+        return self._run(seqs, [0] * len(seqs), [self._slab(i) for i in range(len(seqs))], self.block_size, self.kv)
 
     @torch.inference_mode()
     def _next_logits(self, seqs, live) -> torch.Tensor:
         self.used_tokens = sum(map(len, seqs))
-        return self._run([seqs[i][-1:] for i in live], [len(seqs[i]) - 1 for i in live], live, self.max_len, self.kv)
+        return self._run([seqs[i][-1:] for i in live], [len(seqs[i]) - 1 for i in live], [self._slab(i) for i in live],
+                         self.block_size, self.kv)  # fmt: skip

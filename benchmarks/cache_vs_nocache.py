@@ -1,0 +1,105 @@
+"""Seed 003 §4.3: time per generated token with a KV cache against recomputing without one, at
+contexts of 128, 512, 2,048 and 8,176 tokens (the longest that leaves room for 8 more tokens in
+SmolLM2's 8,192), on the real model, in one run.
+
+    no cache      kvpage.baselines.NoCacheGenerator: every step runs the model over the whole sequence
+    static cache  kvpage.baselines.StaticCacheGenerator: a contiguous slab of the maximum length
+    paged         kvpage's engine (LLM.generate), prefix caching off
+
+Per-token time is the decode part only: (time for --gen tokens - time for 1 token) / (--gen - 1),
+so the prompt's prefill (the same work for all three) is left out. One sequence, greedy. The seed's
+figures (A100, a 7B-class model): 4.8x at 512, 15x at 2,048, out of memory at 8,192 without a cache.
+
+    python benchmarks/cache_vs_nocache.py [--contexts 128 512 2048 8176] [--gen 8] [--quick] [--no-results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from _report import OUT, append_results, write_json
+
+from kvpage import LLM, SamplingParams
+from kvpage.baselines import NoCacheGenerator, StaticCacheGenerator
+from kvpage.tools.perplexity import english_corpus
+
+SEED = {512: 4.8, 2048: 15.0}  # seed 003's measured speed-ups (A100)
+
+
+def per_token(run, gen: int) -> float:
+    t0 = time.perf_counter()
+    run(1)
+    one = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    run(gen)
+    return (time.perf_counter() - t0 - one) / (gen - 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048, 8176])  # 8,176 + 8 <= 8,192
+    ap.add_argument("--gen", type=int, default=8, help="tokens generated per measurement (default 8)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quick", action="store_true", help="contexts 128 and 512 only")
+    ap.add_argument("--no-results", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.contexts, args.gen = [128, 512], 4
+    longest = max(args.contexts) + args.gen
+    llm = LLM("smollm2", dtype=args.dtype, enable_prefix_caching=False, max_model_len=max(longest, 1024),
+              kv_cache_memory="1GiB")  # fmt: skip
+    model = llm.llm_engine.runner.model
+    corpus = llm.get_tokenizer().encode(english_corpus())
+    nocache = NoCacheGenerator(model)
+    static = StaticCacheGenerator(model, 1, longest)
+    rows = []
+    for ctx in args.contexts:
+        prompt = corpus[:ctx]
+
+        def params(n):
+            return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+        t_none = per_token(lambda n, p=prompt: nocache.generate([p], params(n)), args.gen)
+        t_static = per_token(lambda n, p=prompt: static.generate([p], params(n)), args.gen)
+        t_paged = per_token(lambda n, p=prompt: llm.generate([p], params(n), use_tqdm=False), args.gen)
+        row = {"context": ctx, "no_cache_ms": 1e3 * t_none, "static_ms": 1e3 * t_static, "paged_ms": 1e3 * t_paged,
+               "speedup": t_none / t_paged, "seed_speedup": SEED.get(ctx)}  # fmt: skip
+        rows.append(row)
+        print(f"context {ctx:>5}: no cache {row['no_cache_ms']:8.1f} ms/token, static {row['static_ms']:6.1f}, "
+              f"paged {row['paged_ms']:6.1f}: {row['speedup']:.1f}x", flush=True)  # fmt: skip
+    lines = ["| context | no cache ms/token | static cache | paged (kvpage) | paged vs no cache | seed (A100) |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        seed = f"{r['seed_speedup']}x" if r["seed_speedup"] else ""
+        seed = "out of memory at 8,192" if r["context"] >= 8000 else seed
+        lines.append(f"| {r['context']:,} | {r['no_cache_ms']:.1f} | {r['static_ms']:.1f} | {r['paged_ms']:.1f} "
+                     f"| {r['speedup']:.1f}x | {seed} |")  # fmt: skip
+    table = "\n".join(lines)
+    print(table)
+    write_json("cache_vs_nocache", {"rows": rows, "gen": args.gen, "dtype": args.dtype})
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        xs = [r["context"] for r in rows]
+        for key, label in (("no_cache_ms", "no cache"), ("static_ms", "static cache"), ("paged_ms", "paged")):
+            ax.plot(xs, [r[key] for r in rows], marker="o", label=label)
+        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms per generated token",
+               title=f"SmolLM2-135M, {args.dtype}, one sequence")  # fmt: skip
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(OUT / "cache_vs_nocache.png", dpi=120)
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+    if not args.no_results:
+        body = (f"One sequence, greedy, {args.dtype}, decode time per token over {args.gen} generated tokens "
+                f"(prefill excluded); plot `benchmarks/out/cache_vs_nocache.png`.\n\n{table}")  # fmt: skip
+        append_results("KV cache against no cache (benchmarks/cache_vs_nocache.py)", body, "torch")
+
+
+if __name__ == "__main__":
+    main()
