@@ -58,33 +58,38 @@ class _Generator:
         out[torch.tensor(order, device=self.device)] = logits
         return out
 
-    def _sample(self, logits, params: SamplingParams, seqs, prompts, gens) -> list[int]:
-        rows = [SamplingRow(logits_row=i, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                            min_p=params.min_p, presence_penalty=params.presence_penalty,
-                            frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
-                            prompt_token_ids=list(p), output_token_ids=s[len(p):], generator=g)
-                for i, (s, p, g) in enumerate(zip(seqs, prompts, gens, strict=True))]  # fmt: skip
+    def _sample(self, logits, params: list[SamplingParams], seqs, prompts, gens) -> list[int]:
+        rows = [SamplingRow(logits_row=i, temperature=q.temperature, top_p=q.top_p, top_k=q.top_k, min_p=q.min_p,
+                            presence_penalty=q.presence_penalty, frequency_penalty=q.frequency_penalty,
+                            repetition_penalty=q.repetition_penalty, prompt_token_ids=list(p),
+                            output_token_ids=s[len(p):], generator=g)
+                for i, (q, s, p, g) in enumerate(zip(params, seqs, prompts, gens, strict=True))]  # fmt: skip
         return [t.token_id for t in sample(logits, rows)]
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-        """Each prompt's generated token ids."""
-        if params.n != 1:
-            raise ValueError("the baselines generate one sequence per prompt (n=1)")
-        if params.max_tokens is None:
-            raise ValueError("the baselines need max_tokens")
-        seed = params.seed if params.seed is not None else 0
-        gens = [seeded_generator(seed, 0) for _ in prompts]
-        self._begin(prompts, params.max_tokens)
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Each prompt's generated token ids (`params`: one for all, or one per prompt)."""
+        plist = list(params) if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        for q in plist:
+            if q.n != 1:
+                raise ValueError("the baselines generate one sequence per prompt (n=1)")
+            if q.max_tokens is None:
+                raise ValueError("the baselines need max_tokens")
+        gens = [seeded_generator(q.seed if q.seed is not None else 0, 0) for q in plist]
+        self._begin(prompts, max(q.max_tokens for q in plist))
         seqs = [list(p) for p in prompts]
         live = list(range(len(prompts)))
         logits = self._first_logits(seqs)
-        for step in range(params.max_tokens):
-            tokens = self._sample(logits, params, [seqs[i] for i in live], [prompts[i] for i in live],
-                                  [gens[i] for i in live])  # fmt: skip
+        while True:
+            tokens = self._sample(logits, [plist[i] for i in live], [seqs[i] for i in live],
+                                  [prompts[i] for i in live], [gens[i] for i in live])  # fmt: skip
             for i, tok in zip(live, tokens, strict=True):
                 seqs[i].append(tok)
-            live = [i for i, tok in zip(live, tokens, strict=True) if params.ignore_eos or tok not in self.eos]
-            if not live or step == params.max_tokens - 1:
+            live = [i for i, tok in zip(live, tokens, strict=True)
+                    if (plist[i].ignore_eos or tok not in self.eos)
+                    and len(seqs[i]) - len(prompts[i]) < plist[i].max_tokens]  # fmt: skip
+            if not live:
                 break
             logits = self._next_logits(seqs, live)
         return [s[len(p) :] for s, p in zip(seqs, prompts, strict=True)]

@@ -49,3 +49,8 @@ def test_a_sequence_that_ends_stops_and_the_others_go_on(smollm2, prompts):
     tokens = NoCacheGenerator(smollm2.model, eos).generate(prompts[:2], params)
     expected = [o.outputs[0].token_ids for o in make_llm().generate(prompts[:2], params, use_tqdm=False)]
     assert tokens == expected and min(map(len, tokens)) < 40  # (one of them ends early)
+
+
+def test_each_prompt_may_have_its_own_length(smollm2, prompts, paged):
+    out = StaticCacheGenerator(smollm2.model, 2, 128).generate(prompts[:2], [greedy(3), greedy(N)])
+    assert out == [paged["greedy"][0][:3], paged["greedy"][1]]
