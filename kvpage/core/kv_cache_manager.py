@@ -346,7 +346,7 @@ class KVCacheManager:
 
     def num_blocks_needed(self, seq_id: SeqId, num_new_tokens: int) -> int:
         """Blocks `allocate_slots(seq_id, num_new_tokens)` would take, copy-on-write included."""
-        return self.num_blocks_to_grow([(seq_id, num_new_tokens)])
+        return self._growth_blocks([(seq_id, num_new_tokens)])
 
     def num_blocks_to_grow(self, growth: Sequence[tuple[SeqId, int]]) -> int:
         """Blocks that `allocate_slots(seq_id, n)` for each (seq_id, n), in this order, would take.
@@ -374,6 +374,7 @@ class KVCacheManager:
         none, and for those sharing stale copies all but the last one of r (and that one too if
         someone else still holds them)."""
         total, stale = 0, Counter()
+        size: dict[int, int] = {}  # a shared copy group's blocks (its holders share one policy)
         for seq_id in dict.fromkeys(seq_ids):
             seq = self._seq(seq_id)
             n = self._num_sinks(seq)
@@ -383,16 +384,11 @@ class KVCacheManager:
                 total += n
             else:
                 stale[seq.sink_copies[0]] += 1
+                size[seq.sink_copies[0]] = n
         for first, r in stale.items():
             holders = self.pool.blocks[first].ref_count
-            total += (r - 1 + (holders > r)) * len(self._sink_group(first))
+            total += (r - 1 + (holders > r)) * size[first]
         return total
-
-    def _sink_group(self, first: int) -> list[int]:
-        for seq in self._seqs.values():
-            if seq.sink_copies and seq.sink_copies[0] == first:
-                return seq.sink_copies
-        return []
 
     def _num_sinks(self, seq: _Sequence) -> int:
         """Sink blocks this sequence keeps rotated: StreamingLLM's, once it evicted anything."""
