@@ -1,4 +1,10 @@
-"""Shared plumbing of the benchmark scripts: machine description, JSON output, RESULTS.md entries."""
+"""Shared plumbing of the benchmark scripts: machine description, JSON and PNG output, RESULTS.md entries.
+
+Output goes to benchmarks/results/ (committed: the README links its plots), or to $KVPAGE_BENCH_OUT
+(tests point it at a temporary folder). Every script of the suite takes the same three flags
+(`suite_args`): --quick (a few minutes for the whole suite), --smoke (seconds: what the tests run,
+never recorded) and --no-results.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +17,23 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-OUT = ROOT / "out"
 RESULTS = ROOT / "RESULTS.md"
+
+
+def out_dir() -> Path:
+    path = Path(os.environ.get("KVPAGE_BENCH_OUT") or ROOT / "results")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def suite_args(ap) -> None:
+    ap.add_argument("--quick", action="store_true", help="a smaller run (the whole suite in a few minutes)")
+    ap.add_argument("--smoke", action="store_true", help="the tiniest run, for tests (implies --no-results)")
+    ap.add_argument("--no-results", action="store_true", help="do not write benchmarks/RESULTS.md")
+
+
+def recording(args) -> bool:
+    return not (args.no_results or args.smoke)
 
 
 def machine() -> str:
@@ -49,21 +70,44 @@ def versions(*modules: str) -> str:
             pass
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-        parts.append(f"kvpage@{rev.stdout.strip()}")
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=ROOT).stdout.strip()  # fmt: skip
+        parts.append(f"kvpage@{rev.stdout.strip()}" + ("+uncommitted changes" if dirty else ""))
     except OSError:
         pass
     return ", ".join(parts)
 
 
 def write_json(name: str, data: dict) -> Path:
-    OUT.mkdir(exist_ok=True)
-    path = OUT / f"{name}.json"
-    path.write_text(json.dumps(data, indent=2))
+    path = out_dir() / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2, allow_nan=False))
     return path
 
 
-def append_results(title: str, body: str, *modules: str) -> None:
-    """Append a dated section to RESULTS.md: what ran, where, with which versions."""
+def save_plot(name: str, draw) -> Path | None:
+    """draw(plt) makes one figure; it is written to <out>/<name>.png. None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return None
+    fig = draw(plt)
+    path = out_dir() / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def append_results(title: str, body: str, *modules: str, key: str | None = None) -> None:
+    """A dated section of RESULTS.md: what ran, where, with which versions and commit.
+
+    With a `key` (the suite's scripts) the section replaces the one the same script wrote last, between
+    `<!-- suite:key -->` markers, so RESULTS.md shows each claim's latest measurement once; without
+    one it is appended (the history of the other scripts)."""
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     cmd = " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
     section = (
@@ -71,6 +115,16 @@ def append_results(title: str, body: str, *modules: str) -> None:
         f"- command: `{cmd}`\n- machine: {machine()}\n- versions: {versions(*modules)}\n\n{body.rstrip()}\n"
     )
     if not RESULTS.exists():
-        RESULTS.write_text("# Benchmark results\n\nEach section is appended by a script in `benchmarks/`.\n")
-    with RESULTS.open("a") as f:
-        f.write(section)
+        RESULTS.write_text("# Benchmark results\n\nEach section is written by a script in `benchmarks/`.\n")
+    text = RESULTS.read_text()
+    if key is None:
+        RESULTS.write_text(text + section)
+        return
+    start, end = f"<!-- suite:{key} -->", f"<!-- /suite:{key} -->"
+    block = f"{start}{section}{end}"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text += "\n" + block + "\n"
+    RESULTS.write_text(text)

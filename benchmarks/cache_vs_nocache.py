@@ -12,7 +12,7 @@ tokens), so the prompt's prefill (the same work for all three) is left out. One 
 The seed's figures (A100, a 7B-class model): 4.8x at 512, 15x at 2,048, out of memory at 8,192
 without a cache.
 
-    python benchmarks/cache_vs_nocache.py [--contexts 128 512 2048 8160] [--gen 8] [--quick] [--no-results]
+    python benchmarks/cache_vs_nocache.py [--contexts 128 512 2048 8160] [--gen 8] [--quick | --smoke] [--no-results]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from _report import OUT, append_results, write_json
+from _report import append_results, recording, save_plot, suite_args, write_json
 
 from kvpage import LLM, SamplingParams
 from kvpage.baselines import NoCacheGenerator, StaticCacheGenerator
@@ -29,30 +29,34 @@ from kvpage.tools.perplexity import english_corpus
 SEED = {512: 4.8, 2048: 15.0}  # seed 003's measured speed-ups (A100)
 
 
+def best(run, n: int, repeats: int) -> float:
+    """Seconds for run(n), the best of `repeats` (noisy machines)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run(n)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def per_token(run, gen: int, repeats: int = 2) -> float:
-    """Decode seconds per token: the best of `repeats` runs of 1 and of `gen` tokens (noisy machines)."""
-
-    def best(n: int) -> float:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            run(n)
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    return (best(gen) - best(1)) / (gen - 1)
+    """Decode seconds per token: the best of `repeats` runs of 1 and of `gen` tokens."""
+    return (best(run, gen, repeats) - best(run, 1, repeats)) / (gen - 1)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048, 8160])  # 8,160 + 32 <= 8,192
     ap.add_argument("--gen", type=int, default=8, help="tokens generated per measurement (default 8)")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--quick", action="store_true", help="contexts 128 and 512 only")
-    ap.add_argument("--no-results", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--short-contexts", type=int, nargs="+", default=[32, 128, 512])
+    ap.add_argument("--short-outputs", type=int, nargs="+", default=[1, 2, 4, 16])
+    suite_args(ap)  # --quick: contexts 128 and 512 only
+    args = ap.parse_args(argv)
     if args.quick:
-        args.contexts, args.gen = [128, 512], 4
+        args.contexts, args.gen, args.short_contexts = [128, 512], 4, [32, 128]
+    if args.smoke:
+        args.contexts, args.gen, args.short_contexts, args.short_outputs = [16, 48], 3, [16], [1, 2]
     longest = max(args.contexts) + 4 * args.gen
     llm = LLM("smollm2", dtype=args.dtype, enable_prefix_caching=False, max_model_len=max(longest, 1024),
               kv_cache_memory="1GiB")  # fmt: skip
@@ -61,11 +65,12 @@ def main() -> None:
     nocache = NoCacheGenerator(model)
     static = StaticCacheGenerator(model, 1, longest)
     rows = []
+
+    def params(n):
+        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
     for ctx in args.contexts:
         prompt = corpus[:ctx]
-
-        def params(n):
-            return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
         t_none = per_token(lambda n, p=prompt: nocache.generate([p], params(n)), args.gen, 1 if ctx > 4096 else 2)
         cached_gen = 4 * args.gen  # their steps are short: more of them, so the prefill's noise does not swamp them
@@ -83,15 +88,25 @@ def main() -> None:
         seed = "out of memory at 8,192" if r["context"] >= 8000 else seed
         lines.append(f"| {r['context']:,} | {r['no_cache_ms']:.1f} | {r['static_ms']:.1f} | {r['paged_ms']:.1f} "
                      f"| {r['speedup']:.1f}x | {seed} |")  # fmt: skip
+    # The crossover for short outputs: the whole request (prefill included), short prompts, few tokens.
+    short = []
+    for ctx in args.short_contexts:
+        prompt = corpus[:ctx]
+        for n in args.short_outputs:
+            t_none = best(lambda k, p=prompt: nocache.generate([p], params(k)), n, 2)
+            t_paged = best(lambda k, p=prompt: llm.generate([p], params(k), use_tqdm=False), n, 2)
+            short.append({"context": ctx, "tokens": n, "no_cache_s": t_none, "paged_s": t_paged})
+    lines += ["", "Whole requests, prefill included (the crossover for short outputs):", "",
+              "| prompt tokens | output tokens | no cache (s) | paged (s) | no cache / paged |",
+              "|---|---|---|---|---|"]  # fmt: skip
+    for r in short:
+        lines.append(f"| {r['context']} | {r['tokens']} | {r['no_cache_s']:.3f} | {r['paged_s']:.3f} "
+                     f"| {r['no_cache_s'] / r['paged_s']:.2f} |")  # fmt: skip
     table = "\n".join(lines)
     print(table)
-    write_json("cache_vs_nocache", {"rows": rows, "gen": args.gen, "dtype": args.dtype})
-    try:
-        import matplotlib
+    write_json("cache_vs_nocache", {"rows": rows, "short": short, "gen": args.gen, "dtype": args.dtype})
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    def draw(plt):
         fig, ax = plt.subplots(figsize=(6, 4))
         xs = [r["context"] for r in rows]
         for key, label in (("no_cache_ms", "no cache"), ("static_ms", "static cache"), ("paged_ms", "paged")):
@@ -99,14 +114,15 @@ def main() -> None:
         ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms per generated token",
                title=f"SmolLM2-135M, {args.dtype}, one sequence")  # fmt: skip
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(OUT / "cache_vs_nocache.png", dpi=120)
-    except ImportError:
-        print("matplotlib is not installed: no plot")
-    if not args.no_results:
+        return fig
+
+    save_plot("cache_vs_nocache", draw)
+    if recording(args):
         body = (f"One sequence, greedy, {args.dtype}, decode time per token over {args.gen} generated tokens "
                 f"(prefill excluded); plot `benchmarks/out/cache_vs_nocache.png`.\n\n{table}")  # fmt: skip
-        append_results("KV cache against no cache (benchmarks/cache_vs_nocache.py)", body, "torch")
+        append_results(
+            "KV cache against no cache (benchmarks/cache_vs_nocache.py)", body, "torch", key="cache_vs_nocache"
+        )
 
 
 if __name__ == "__main__":

@@ -16,15 +16,16 @@ transformers' own GGUF loader (the oracle), in the same run.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
-from _report import append_results, write_json
+from _bound import linears_only, median_time
+from _report import append_results, recording, save_plot, suite_args, write_json
 
 from kvpage.core import KVCacheManager
 from kvpage.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from kvpage.models import load_model
+from kvpage.models.dtype_choice import choose_dtype
 from kvpage.worker.input_builder import build_inputs
 from kvpage.worker.kv_cache import KVCache
 
@@ -45,16 +46,6 @@ class TimedBackend:
         out = self.inner.forward(*args, **kwargs)
         self.seconds += time.perf_counter() - t0
         return out
-
-
-def median_time(fn, repeat: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def step_for(kind: str, batch: int, mgr: KVCacheManager) -> SchedulerOutput:
@@ -104,22 +95,8 @@ def measure(lm, kind: str, batch: int, repeat: int, kv_cache_dtype: str = "auto"
     for layer in model.layers:
         layer.self_attn.backend = timed.inner
 
-    x = torch.randn(tokens, cfg.hidden_size, dtype=dtype)
     rows = len(inputs.logits_seq_ids)
-
-    linear = model.ops.linear  # the linears as this model runs them (a few rows: kvpage's own kernel)
-
-    @torch.inference_mode()
-    def linears_only():
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)  # (quantized weights too)
-            linear(x, attn.o_proj.weight)
-            h = linear(x, mlp.gate_up_proj.weight)
-            linear(h[:, : cfg.intermediate_size].contiguous(), mlp.down_proj.weight)
-        model.compute_logits(x[:rows])
-
-    t_bound = median_time(linears_only, repeat)
+    t_bound = median_time(linears_only(model, tokens, rows), repeat)
     return {
         "kind": kind,
         "batch": batch,
@@ -153,19 +130,25 @@ def load_times(repeat: int, with_transformers: bool) -> dict:
     return out
 
 
-def main() -> None:
-    global CONTEXT, DECODE_BATCHES
+def main(argv: list[str] | None = None) -> None:
+    global CONTEXT, DECODE_BATCHES, PREFILL
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per shape; the median is reported")
     ap.add_argument("--no-transformers", action="store_true", help="skip timing transformers' loader")
-    ap.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
     ap.add_argument("--backends", default="cpu,torch", help="attention backends to compare (default cpu,torch)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="dtypes (default float32,bfloat16)")
     ap.add_argument("--weight-dtype", choices=["int8", "int4"], default=None, help="weight-only quantization")
     ap.add_argument("--kv-cache-dtypes", default="auto", help="KV dtypes to compare, e.g. auto,int8 (default auto)")
     ap.add_argument("--context", type=int, default=CONTEXT, help=f"cached tokens per decode (default {CONTEXT})")
     ap.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)), help="decode batch sizes")
-    args = ap.parse_args()
+    suite_args(ap)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.repeat, args.no_transformers, args.dtypes = 2, True, choose_dtype("auto")[0]
+        args.batches = "1,64,256"
+    if args.smoke:
+        args.repeat, args.no_transformers, args.dtypes, args.backends = 1, True, "float32", "torch"
+        args.batches, args.context, PREFILL = "1,4", 32, 32
     CONTEXT, DECODE_BATCHES = args.context, [int(b) for b in args.batches.split(",")]
     torch.manual_seed(0)
     rows = []
@@ -186,7 +169,7 @@ def main() -> None:
                     f"{r['ratio']:.2f} | {r['attention_share']:.0%} |"
                 )
                 print(lines[-1], flush=True)
-    loads = load_times(args.repeat, not args.no_transformers)
+    loads = {"cached_s": 0.0, "convert_s": 0.0} if args.smoke else load_times(args.repeat, not args.no_transformers)
     load_line = (
         f"Load time of SmolLM2-135M-Instruct (float32): {loads['cached_s']:.2f} s from kvpage's conversion cache, "
         f"{loads['convert_s']:.2f} s converting the GGUF afresh"
@@ -196,40 +179,33 @@ def main() -> None:
     print(load_line)
     write_json("forward_pass", {"rows": rows, "load": loads, "block_size": BLOCK})
     _plot(rows)
-    if not args.no_results:
+    if recording(args):
         body = (
             "Forward pass of SmolLM2-135M-Instruct on the paged cache (16-token blocks), per attention backend "
             "(cpu: kvpage's compiled kernels; torch: the reference), against the same model's linear layers "
             "alone at the same shapes, run as the model runs them.\n\n" + "\n".join(lines) + f"\n\n{load_line}\n"
         )
-        append_results("Forward pass (benchmarks/forward_pass.py)", body, "torch", "transformers")
+        append_results("Forward pass (benchmarks/forward_pass.py)", body, "torch", "transformers", key="forward_pass")
 
 
 def _plot(rows) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    from _report import OUT
-
     panels = sorted({(r["backend"], r["dtype"]) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    for ax, (backend, dtype) in zip(axes[0], panels, strict=True):  # dtype: the row's label
-        sel = [r for r in rows if (r["backend"], r["dtype"]) == (backend, dtype)]
-        labels = [f"dec {r['batch']}" if r["kind"] == "decode" else f"pre {r['tokens']}" for r in sel]
-        xs = range(len(sel))
-        ax.bar([x - 0.2 for x in xs], [r["tokens_per_s"] for r in sel], 0.4, label="forward")
-        ax.bar([x + 0.2 for x in xs], [r["bound_tokens_per_s"] for r in sel], 0.4, label="linear layers only")
-        ax.set_xticks(list(xs), labels)
-        ax.set_yscale("log")
-        ax.set_title(f"SmolLM2-135M {dtype}, {backend}: tokens/s")
-        ax.legend()
-    fig.tight_layout()
-    OUT.mkdir(exist_ok=True)
-    fig.savefig(OUT / "forward_pass.png", dpi=100)
+
+    def draw(plt):
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+        for ax, (backend, dtype) in zip(axes[0], panels, strict=True):  # dtype: the row's label
+            sel = [r for r in rows if (r["backend"], r["dtype"]) == (backend, dtype)]
+            labels = [f"dec {r['batch']}" if r["kind"] == "decode" else f"pre {r['tokens']}" for r in sel]
+            xs = range(len(sel))
+            ax.bar([x - 0.2 for x in xs], [r["tokens_per_s"] for r in sel], 0.4, label="forward")
+            ax.bar([x + 0.2 for x in xs], [r["bound_tokens_per_s"] for r in sel], 0.4, label="linear layers only")
+            ax.set_xticks(list(xs), labels)
+            ax.set_yscale("log")
+            ax.set_title(f"SmolLM2-135M {dtype}, {backend}: tokens/s")
+            ax.legend()
+        return fig
+
+    save_plot("forward_pass", draw)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def format_stats(s: CacheStats, max_len: int) -> str:
             f"cached {s.cached_blocks}  shared {s.shared_blocks}  logical {s.logical_blocks}",
             f"  tokens      stored {s.stored_tokens} in {s.allocated_slots} slots  waste {s.waste:.1%}",
             f"  prefix      {s.prefix_hit_tokens}/{s.prefix_query_tokens} prompt tokens from cache "
-            f"({s.prefix_hit_rate:.1%})  sharing ratio {s.sharing_ratio:.1%}",
+            f"({s.prefix_hit_rate:.1%})  shared/used {s.shared_of_used:.1%}",
             f"  contiguous  a cache pre-allocated to max_len={max_len} would reserve {contiguous} slots "
             f"for these {s.num_seqs + s.num_swapped_seqs} sequences; paged uses {s.allocated_slots}",
         ]

@@ -70,7 +70,7 @@ def run_demo(model: str = "smollm2", dtype: str = "auto", max_tokens: int = 64) 
           f"({generated / elapsed:.1f} tokens/s); prompts of {min(prompt_lens)}-{max(prompt_lens)} tokens")  # fmt: skip
     print("KV cache at its fullest moment:")
     print(f"  blocks used      {peak.used_blocks} of {peak.total_blocks} (of which shared: {peak.shared_blocks}, "
-          f"sharing ratio {peak.sharing_ratio:.0%}); logical blocks {peak.logical_blocks}")  # fmt: skip
+          f"shared/used {peak.shared_of_used:.0%}); logical blocks {peak.logical_blocks}")  # fmt: skip
     print(f"  waste            {peak.waste:.1%} of allocated slots hold no token")
     print(f"  prefix cache     {final.prefix_hit_tokens} of {final.prefix_query_tokens} prompt tokens served "
           f"from cache ({final.prefix_hit_rate:.0%})")  # fmt: skip

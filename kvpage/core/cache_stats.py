@@ -19,7 +19,7 @@ class CacheStats:
     waste: float  # (allocated_slots - stored_tokens) / allocated_slots; 0.0 when nothing is allocated
     prefix_query_tokens: int  # prompt tokens looked up in the prefix cache by admitted sequences
     prefix_hit_tokens: int  # of those, tokens served from cache
-    sharing_ratio: float  # shared_blocks / used_blocks; 0.0 when nothing is used
+    shared_of_used: float  # shared_blocks / used_blocks: how much of the memory in use is shared; 0.0 if none
     num_seqs: int  # sequences on the GPU pool
     num_swapped_seqs: int  # sequences on the CPU pool
     cpu_total_blocks: int
@@ -44,6 +44,12 @@ class CacheStats:
         return self.used_blocks / self.total_blocks if self.total_blocks else 0.0
 
     @property
+    def shared_of_total(self) -> float:
+        """shared_blocks / total_blocks: the seed documents' "sharing rate" (seed 000 §5), which falls as the
+        pool grows whatever the workload; `shared_of_used` is the one that describes the workload."""
+        return self.shared_blocks / self.total_blocks if self.total_blocks else 0.0
+
+    @property
     def prefix_hit_rate(self) -> float:
         if not self.prefix_query_tokens:
             return 0.0
@@ -53,5 +59,6 @@ class CacheStats:
         d = asdict(self)
         d["usage"] = self.usage
         d["prefix_hit_rate"] = self.prefix_hit_rate
+        d["shared_of_total"] = self.shared_of_total
         d["total_bytes"], d["used_bytes"] = self.total_bytes, self.used_bytes
         return d

@@ -650,7 +650,7 @@ class KVCacheManager:
             waste=(allocated - pool.num_used_tokens) / allocated if allocated else 0.0,
             prefix_query_tokens=pc.num_query_tokens if pc else 0,
             prefix_hit_tokens=pc.num_hit_tokens if pc else 0,
-            sharing_ratio=pool.num_shared / used if used else 0.0,
+            shared_of_used=pool.num_shared / used if used else 0.0,
             num_seqs=len(self._seqs) - self._num_swapped,
             num_swapped_seqs=self._num_swapped,
             cpu_total_blocks=self.cpu_pool.num_total,

@@ -60,7 +60,9 @@ class _EngineCollector:
         kv_bytes.add_metric([model, "used"], st.used_bytes)
         kv_bytes.add_metric([model, "total"], st.total_bytes)
         yield kv_bytes
-        yield self._gauge("kvpage:kv_cache_sharing_ratio", "shared / used blocks", st.sharing_ratio)
+        yield self._gauge("kvpage:kv_cache_shared_of_used_ratio", "shared blocks / used blocks", st.shared_of_used)
+        seed_rate = "shared blocks / total blocks (the seed documents' sharing rate)"
+        yield self._gauge("kvpage:kv_cache_shared_of_total_ratio", seed_rate, st.shared_of_total)
         yield self._gauge("kvpage:kv_cache_waste_ratio", "allocated slots holding no token", st.waste)
         yield self._gauge("kvpage:prefix_cache_hit_rate", "prompt tokens served from the prefix cache",
                           st.prefix_hit_rate)  # fmt: skip

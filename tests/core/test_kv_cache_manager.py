@@ -158,7 +158,8 @@ def test_hit_while_owner_runs_and_after_it_finished():
     st = mgr.stats()
     assert (st.used_blocks, st.shared_blocks, st.logical_blocks) == (4, 2, 6)
     assert (st.prefix_query_tokens, st.prefix_hit_tokens) == (40 + 37, 32)
-    assert st.sharing_ratio == pytest.approx(0.5)
+    assert st.shared_of_used == pytest.approx(0.5)
+    assert st.shared_of_total == pytest.approx(st.shared_blocks / st.total_blocks)
 
     s.free("a")
     assert refs(mgr, [0, 1, 2, 3]) == [1, 1, 0, 1]
@@ -679,7 +680,7 @@ def test_stats_fields_exact():
         waste=12 / 32,
         prefix_query_tokens=20,
         prefix_hit_tokens=0,
-        sharing_ratio=1.0,
+        shared_of_used=1.0,
         num_seqs=2,
         num_swapped_seqs=0,
         cpu_total_blocks=0,

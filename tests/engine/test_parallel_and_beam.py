@@ -24,7 +24,8 @@ def test_n_samples_share_the_prompt_blocks(llm, prompts, hf_f32_greedy):
     st = llm.cache_stats()
     # stored once, not four times: every prompt block is shared by the four samples
     assert st.num_seqs == 4 and st.used_blocks == full_blocks + 1 and st.logical_blocks == 4 * (full_blocks + 1)
-    assert st.shared_blocks == full_blocks + 1 and st.sharing_ratio == 1.0
+    assert st.shared_blocks == full_blocks + 1 and st.shared_of_used == 1.0
+    assert st.shared_of_total == (full_blocks + 1) / st.total_blocks  # the seed's rate: of the whole pool
     engine.step()  # each sample writes its token: the shared partial block is copied for 3 of them
     st = llm.cache_stats()
     assert st.used_blocks == full_blocks + 4 and st.shared_blocks == full_blocks

@@ -73,7 +73,8 @@ OWN_NAMES = ['kvpage:kv_cache_blocks{state="free"}', 'kvpage:kv_cache_blocks{sta
              'kvpage:kv_cache_blocks{state="cached"}', 'kvpage:kv_cache_blocks{state="shared"}',
              "kvpage:prefix_cache_hit_rate", "kvpage:num_requests_swapped", 'kvpage:kv_cache_bytes{state="total"}',
              'kvpage:kv_cache_bytes{state="used"}', "kvpage:cpu_tier_hits_total", "kvpage:evicted_tokens_total",
-             'kvpage:cpu_tier_blocks{state="total"}', 'kvpage:cpu_tier_blocks{state="cached"}']  # fmt: skip
+             'kvpage:cpu_tier_blocks{state="total"}', 'kvpage:cpu_tier_blocks{state="cached"}',
+             "kvpage:kv_cache_shared_of_used_ratio", "kvpage:kv_cache_shared_of_total_ratio"]  # fmt: skip
 
 
 def test_metrics_have_vllms_names_and_units_and_move(server):
@@ -101,6 +102,7 @@ def test_metrics_have_vllms_names_and_units_and_move(server):
     after = scrape(server)
     assert 0 < usage_mid <= 1  # a fraction, as vLLM's, not a percentage
     assert after["kvpage:kv_cache_usage_perc"] == 0
+    assert after["kvpage:kv_cache_shared_of_used_ratio"] == after["kvpage:kv_cache_shared_of_total_ratio"] == 0
     assert after["kvpage:generation_tokens_total"] >= before["kvpage:generation_tokens_total"] + 12
     assert after["kvpage:prompt_tokens_total"] > before["kvpage:prompt_tokens_total"]
     assert after["kvpage:time_to_first_token_seconds_count"] == before["kvpage:time_to_first_token_seconds_count"] + 3
