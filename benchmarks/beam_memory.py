@@ -1,69 +1,108 @@
-"""KV memory of beam search on shared blocks, against independent copies per beam.
+"""Seed 000 §3.3 / §4: KV memory of parallel sampling and beam search on shared blocks, against the
+seed's own baseline (an independent contiguous copy per sequence), on the real model.
 
-The seed documents claim (GPT-3 175B) that sharing saves 62.5% of beam-search KV memory at width 4
-and 71.9% at width 8. Here: SmolLM2 on the paged cache, beam search over a chat prompt, and at every
-step the blocks actually used against the logical blocks (the sum of the beams' block tables, which
-is what independent copies of each beam would store). Reported at the step of peak use and averaged.
+For n = 1, 2, 4, 8 (`SamplingParams(n=...)`, seeded) and beam width 1, 2, 4, 8 (`BeamSearchParams`),
+over two prompt/output shapes (a short chat question, a long one), at every engine step:
+  blocks in use       kvpage: the prompt stored once, beams forking (sharing every block) and
+                      copying a block only when a sharer writes to it
+  logical blocks      the sum of the sequences' block tables: paged memory without sharing
+  contiguous copies   the seed's baseline: each of the width's sequences holds its own slab of
+                      prompt + max_tokens slots, reserved up front (a static cache per beam)
+each at the step using the most (peak) and as a mean over steps. The seed's figures (GPT-3 175B):
+62.5% saved at beam width 4, 71.9% at 8.
 
-    python benchmarks/beam_memory.py [--max-tokens 64] [--no-results]
+    python benchmarks/beam_memory.py [--max-tokens 64] [--quick | --smoke] [--no-results]
 """
 
 from __future__ import annotations
 
 import argparse
 
-from _report import append_results, write_json
+from _report import append_results, recording, save_plot, suite_args, write_json
 
-from kvpage import LLM, BeamSearchParams
+from kvpage import LLM, BeamSearchParams, SamplingParams
+from kvpage.tools.perplexity import english_corpus
 
-PROMPT = "Explain, step by step, how a hash table handles collisions, and compare two strategies."
+QUESTION = "Explain, step by step, how a hash table handles collisions, and compare two strategies."
+SEED = {("beam", 4): "62.5%", ("beam", 8): "71.9%"}
 
 
-def measure(llm: LLM, width: int, max_tokens: int) -> dict:
-    engine = llm.llm_engine
-    tok = llm.get_tokenizer()
-    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}]))
-    engine.add_request(
-        f"beam{width}", prompt, BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=True)
-    )
+def measure(llm: LLM, mode: str, width: int, prompt: list[int], max_tokens: int) -> dict:
+    engine, bs = llm.llm_engine, llm.llm_engine.config.block_size
+    if mode == "beam":
+        params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=True)
+    else:
+        params = SamplingParams(n=width, temperature=0.8, seed=width, max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request(f"{mode}{width}-{len(prompt)}", prompt, params)
     samples = []
     while engine.has_unfinished_requests():
         engine.step()
         st = llm.cache_stats()
         if st.logical_blocks:
-            samples.append((st.used_blocks, st.logical_blocks))
+            samples.append((st.used_blocks * bs, st.logical_blocks * bs))
     engine.kv_manager.check_invariants()
-    peak_used, peak_logical = max(samples)
-    return {
-        "width": width,
-        "prompt_tokens": len(prompt),
-        "peak_used_blocks": peak_used,
-        "peak_logical_blocks": peak_logical,
-        "saving_at_peak": 1 - peak_used / peak_logical,
-        "mean_saving": sum(1 - u / lg for u, lg in samples) / len(samples),
-    }
+    assert llm.cache_stats().used_blocks == 0, "a request leaked blocks"
+    contiguous = width * (len(prompt) + max_tokens)  # slots, the whole request long
+    used, logical = max(samples)
+    return {"mode": mode, "width": width, "prompt_tokens": len(prompt), "max_tokens": max_tokens,
+            "peak_used_slots": used, "peak_logical_slots": logical, "contiguous_slots": contiguous,
+            "saved_vs_contiguous": 1 - used / contiguous,
+            "mean_saved_vs_contiguous": sum(1 - u / contiguous for u, _ in samples) / len(samples),
+            "saved_vs_logical": 1 - used / logical,
+            "mean_saved_vs_logical": sum(1 - u / lg for u, lg in samples) / len(samples)}  # fmt: skip
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--no-results", action="store_true")
-    args = ap.parse_args()
-    llm = LLM("smollm2", dtype="bfloat16", num_kv_blocks=512, enable_prefix_caching=False)
-    seed = {4: "62.5%", 8: "71.9%"}
-    rows = [measure(llm, w, args.max_tokens) for w in (1, 2, 4, 8)]
-    lines = ["| beam width | blocks used (peak) | independent copies (peak) | saved at peak | saved, mean over steps "
-             "| seed documents' claim |", "|---|---|---|---|---|---|"]  # fmt: skip
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-tokens", type=int, default=64, help="new tokens of the short shape; the long one 2x")
+    ap.add_argument("--dtype", default="auto")
+    suite_args(ap)
+    args = ap.parse_args(argv)
+    widths, long_len = [1, 2, 4, 8], 512
+    if args.quick:
+        widths, long_len = [1, 4, 8], 256
+    if args.smoke:
+        widths, long_len, args.max_tokens = [1, 2], 40, 4
+    llm = LLM("smollm2", dtype=args.dtype, num_kv_blocks=1024, enable_prefix_caching=False)
+    tok = llm.get_tokenizer()
+    short = tok.encode(tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True))
+    long = tok.encode(english_corpus())[:long_len]
+    shapes = [(short, args.max_tokens), (long, 2 * args.max_tokens)]
+    rows = [measure(llm, mode, w, p, m) for p, m in shapes for mode in ("n", "beam") for w in widths]
+    lines = ["| sequences | prompt + max tokens | slots in use (peak) | contiguous copies | saved vs contiguous: "
+             "peak / mean | logical paged blocks (peak) | saved vs logical: peak / mean | seed |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r['width']} | {r['peak_used_blocks']} | {r['peak_logical_blocks']} | "
-                     f"{r['saving_at_peak']:.1%} | {r['mean_saving']:.1%} | {seed.get(r['width'], '')} |")  # fmt: skip
-    print("\n".join(lines))
-    write_json("beam_memory", {"rows": rows, "max_tokens": args.max_tokens})
-    if not args.no_results:
-        body = (f"Beam search over a {rows[0]['prompt_tokens']}-token chat prompt, {args.max_tokens} new tokens, "
-                "16-token blocks: blocks used with sharing against the logical blocks that independent per-beam "
-                "copies would hold.\n\n" + "\n".join(lines))  # fmt: skip
-        append_results("Beam-search memory (benchmarks/beam_memory.py)", body, "torch")
+        what = f"n = {r['width']}" if r["mode"] == "n" else f"beam width {r['width']}"
+        lines.append(f"| {what} | {r['prompt_tokens']} + {r['max_tokens']} | {r['peak_used_slots']:,} "
+                     f"| {r['contiguous_slots']:,} | {r['saved_vs_contiguous']:.1%} / "
+                     f"{r['mean_saved_vs_contiguous']:.1%} "
+                     f"| {r['peak_logical_slots']:,} | {r['saved_vs_logical']:.1%} / {r['mean_saved_vs_logical']:.1%} "
+                     f"| {SEED.get((r['mode'], r['width']), '')} |")  # fmt: skip
+    table = "\n".join(lines)
+    print(table)
+    write_json("beam_memory", {"rows": rows, "max_tokens": args.max_tokens, "dtype": args.dtype})
+
+    def draw(plt):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+        for ax, (p, m) in zip(axes, shapes, strict=True):
+            for mode, style in (("n", "o-"), ("beam", "s-")):
+                sel = [r for r in rows if r["mode"] == mode and r["prompt_tokens"] == len(p)]
+                label = "parallel sampling" if mode == "n" else "beam search"
+                ax.plot([r["width"] for r in sel], [r["saved_vs_contiguous"] for r in sel], style, label=label)
+            ax.scatter([4, 8], [0.625, 0.719], marker="x", c="k", label="seed (beam, GPT-3)")
+            ax.set(xscale="log", xlabel="sequences per request", title=f"prompt {len(p)} + {m} tokens",
+                   ylabel="saved vs contiguous copies (peak)", ylim=(0, 1))  # fmt: skip
+            ax.set_xticks(widths, [str(w) for w in widths])
+            ax.legend(fontsize=8)
+        return fig
+
+    save_plot("beam_memory", draw)
+    if recording(args):
+        body = (f"{args.dtype}, 16-token blocks, prefix caching off; slots = blocks x 16. Plot "
+                f"`benchmarks/results/beam_memory.png`.\n\n{table}")  # fmt: skip
+        append_results("Parallel sampling and beam-search memory (benchmarks/beam_memory.py)", body, "torch",
+                       key="beam_memory")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -123,6 +123,15 @@ class BlockPool:
             self.prefix_cache.evict(block)
         block.cache_key = None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every registered block (vLLM's reset_prefix_cache). Only when no block is in use:
+        False, and nothing changes, otherwise. The hit/query counters keep counting (they are totals)."""
+        if self.num_used:
+            return False
+        for block in self.blocks:
+            self.uncache(block)
+        return True
+
     def add_tokens(self, block: Block, n: int) -> None:
         """Record that `n` more slots of an in-use block now hold tokens."""
         block.num_tokens += n

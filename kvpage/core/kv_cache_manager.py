@@ -633,6 +633,17 @@ class KVCacheManager:
         return list(mapping.items())
 
     # ------------------------------------------------------------------ statistics
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (and the CPU tier): later prompts start cold. Only when no sequence
+        holds blocks; False, changing nothing, otherwise."""
+        if self._seqs or self.pool.prefix_cache is None:
+            return not self._seqs
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.tier is not None:
+            self.tier.reset_prefix_cache()
+        return True
+
     def stats(self) -> CacheStats:
         pool, pc = self.pool, self.prefix_cache
         used = pool.num_used

@@ -210,6 +210,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, as vLLM's; False (nothing changes) while requests are unfinished."""
+        return not self._states and self.kv_manager.reset_prefix_cache()
+
     def cache_stats(self) -> CacheStats:
         return self.kv_manager.stats()
 

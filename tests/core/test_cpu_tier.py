@@ -81,3 +81,28 @@ def test_without_a_tier_or_prefix_caching_nothing_changes():
         s.add("b", toks(4 * BS - 1, 1000))
         assert mgr.take_tier_transfers() == ([], []) and mgr.stats().tier_total_blocks == 0
         finish(s)
+
+
+def test_reset_prefix_cache_forgets_the_pool_and_the_tier_but_only_when_idle():
+    s = tiered()
+    mgr = s.mgr
+    prompt = toks(2 * BS + 1)
+    s.add("a", prompt)
+    assert mgr.reset_prefix_cache() is False  # "a" holds blocks: nothing changes
+    assert mgr.find_cached_prefix(prompt).num_tokens == 2 * BS  # a's blocks still serve hits
+    s.free("a")
+    s.add("b", toks(4 * BS - 1, 1000))  # a's blocks 1 and 0 go to the tier
+    s.free("b")
+    mgr.take_tier_transfers()
+    assert mgr.find_cached_prefix(prompt).num_tokens == 2 * BS  # from the tier
+    assert mgr.find_cached_prefix(toks(4 * BS - 1, 1000)).num_tokens == 3 * BS  # from the pool
+    hits = mgr.stats().prefix_hit_tokens
+    assert mgr.reset_prefix_cache() is True
+    st = mgr.stats()
+    assert st.cached_blocks == 0 and st.tier_cached_blocks == 0 and st.free_blocks == 4
+    assert st.prefix_hit_tokens == hits  # totals keep counting
+    assert mgr.find_cached_prefix(prompt).num_tokens == 0
+    assert mgr.find_cached_prefix(toks(4 * BS - 1, 1000)).num_tokens == 0
+    s.add("c", prompt)  # and the pool works as before: the free queue is unchanged
+    assert mgr.block_table("c") == [0, 1, 2]
+    finish(s)
