@@ -30,7 +30,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (default): kvpage's compiled CPU kernels where they build, else the torch reference",
     )
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--block-size", type=_block_size, default=16,
+                   help="tokens per KV block (default 16), or 'auto': the advice of `kvpage blocks` for "
+                   "--block-size-lengths")  # fmt: skip
+    g.add_argument("--block-size-lengths", default=None,
+                   help="with --block-size auto: the lengths to hold at once, LENGTH:COUNT,... or a JSONL file "
+                   "(as `kvpage blocks` reads); they size the pool too unless --kv-cache-memory or "
+                   "--num-kv-blocks is given")  # fmt: skip
     g.add_argument("--kv-cache-memory", default=None, help="memory for the KV cache, e.g. 512MiB (default 512MiB)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="size the KV cache in blocks instead")
     g.add_argument("--swap-space", default="0", help="CPU memory for swapped-out blocks, e.g. 1GiB (default 0)")
@@ -51,6 +57,15 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
 
 
+def _block_size(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a power of two or 'auto', got {text!r}") from None
+
+
 def _make_llm(args: argparse.Namespace):
     from kvpage import LLM
 
@@ -59,12 +74,20 @@ def _make_llm(args: argparse.Namespace):
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
               seed=args.seed, weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype,
-              attention_backend=args.attention_backend, kv_eviction=args.kv_eviction)  # fmt: skip
+              attention_backend=args.attention_backend, kv_eviction=args.kv_eviction,
+              block_size_lengths=args.block_size_lengths)  # fmt: skip
     if args.num_kv_blocks is not None:
         kw["num_kv_blocks"] = args.num_kv_blocks
     else:
         kw["kv_cache_memory"] = args.kv_cache_memory  # None: the engine's default
-    return LLM(args.model, **kw)
+    llm = LLM(args.model, **kw)
+    cfg = llm.llm_engine.config
+    if cfg.block_size_advice is not None:
+        a = cfg.block_size_advice
+        print(f"block_size auto: {cfg.block_size} for an average length of {a.average_length:.0f} tokens "
+              f"(seed rule {a.seed_rule}; waste {a.best.waste:.1%}); {llm.cache_stats().total_blocks} blocks",
+              flush=True)  # fmt: skip
+    return llm
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -230,22 +253,27 @@ def _estimate(args) -> int:
 
 
 def _blocks(args) -> int:
-    from kvpage.tools.block_advisor import advise, parse_histogram, read_lengths
+    from kvpage.tools.block_advisor import BLOCK_COST, advise, parse_histogram, read_lengths
 
     if bool(args.lengths_file) == bool(args.histogram):
         raise ValueError("give exactly one of --lengths-file and --histogram")
     hist = read_lengths(Path(args.lengths_file)) if args.lengths_file else parse_histogram(args.histogram)
-    rule, table, best, avg = advise(hist, args.min_block_size, args.max_block_size)
-    print(f"{sum(hist.values())} sequences, average length {avg:.1f} tokens")
-    print("| block size | blocks | slots | waste |\n|---|---|---|---|")
-    for c in table:
-        print(f"| {c.block_size} | {c.blocks} | {c.slots} | {c.waste:.1%} |")
-    rule_choice = next((c for c in table if c.block_size == rule), None)
+    shared_count = args.shared_count if args.shared_count is not None else sum(hist.values())
+    cost = BLOCK_COST if args.block_cost is None else args.block_cost
+    a = advise(hist, args.min_block_size, args.max_block_size, block_cost=cost, shared_prefix=args.shared_prefix,
+               shared_count=shared_count if args.shared_prefix else 0)  # fmt: skip
+    print(f"{sum(hist.values())} sequences, average length {a.average_length:.1f} tokens")
+    print(
+        "| block size | blocks | slots | waste | slots shared | cost (slots + per-block) |\n|---|---|---|---|---|---|"
+    )
+    for c in a.table:
+        print(f"| {c.block_size} | {c.blocks} | {c.slots} | {c.waste:.1%} | {c.shared_slots} | {c.cost:.0f} |")
+    rule_choice = next((c for c in a.table if c.block_size == a.seed_rule), None)
     rule_waste = f", waste {rule_choice.waste:.1%}" if rule_choice else ""
-    print(f"seed documents' rule max(64, 2^floor(log2(avg/4))): block_size = {rule}{rule_waste}")
-    print(f"least simulated waste with block_size in [{args.min_block_size}, {args.max_block_size}]: "
-          f"block_size = {best.block_size}, waste {best.waste:.1%}")  # fmt: skip
-    print(f"blocks to pre-allocate for these sequences at block_size {best.block_size}: {best.blocks}")
+    print(f"seed documents' rule max(64, 2^floor(log2(avg/4))): block_size = {a.seed_rule}{rule_waste}")
+    print(f"least cost with block_size in [{a.min_block_size}, {a.max_block_size}] (waste + {a.block_cost:g} slots "
+          f"per block - shared prefix): block_size = {a.best.block_size}, waste {a.best.waste:.1%}")  # fmt: skip
+    print(f"blocks to pre-allocate for these sequences at block_size {a.best.block_size}: {a.best.blocks}")
     return 0
 
 
@@ -347,11 +375,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("blocks", help="block-size advice from observed sequence lengths",
                        description="From a JSONL of request lengths or a histogram: the seed documents' rule "
-                       "max(64, 2^floor(log2(avg/4))) next to the block size with the least simulated waste, and "
-                       "the blocks to pre-allocate.")  # fmt: skip
+                       "max(64, 2^floor(log2(avg/4))) next to the block size with the least cost (empty slots of "
+                       "each last block, unshared prefix tail, and a per-block cost), and the blocks to "
+                       "pre-allocate.")  # fmt: skip
     p.add_argument("--lengths-file", default=None, help='JSONL: a number, or {"length": N}, per line')
     p.add_argument("--histogram", default=None, help="LENGTH:COUNT,LENGTH:COUNT,...")
-    p.add_argument("--min-block-size", type=int, default=16, help="smallest block size to consider (default 16)")
+    p.add_argument(
+        "--min-block-size",
+        type=int,
+        default=64,
+        help="smallest block size to choose (default 64, the seed documents' range 64-256)",
+    )
+    p.add_argument(
+        "--block-cost",
+        type=float,
+        default=None,
+        help="what one block's management costs, in token slots (default: the measured BLOCK_COST)",
+    )
+    p.add_argument("--shared-prefix", type=int, default=0, help="tokens of a prefix common to the sequences")
+    p.add_argument("--shared-count", type=int, default=None, help="sequences that share it (default: all)")
     p.add_argument("--max-block-size", type=int, default=256, help="largest block size (default 256)")
     p.set_defaults(func=_blocks)
     return parser

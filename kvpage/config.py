@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvpage.core.eviction import parse_eviction
@@ -34,7 +34,7 @@ class EngineConfig:
     dtype: str = "auto"  # bfloat16 where the hardware computes it natively, else float32
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8" or "fp8": quantized KV blocks
     weight_dtype: str | None = None  # "int8" / "int4": weight-only quantized linear layers (models/weight_quant.py)
-    block_size: int = 16
+    block_size: int | str = 16  # or "auto": the advice of kvpage/tools/block_advisor.py for block_size_lengths
     kv_cache_memory: int | str | None = None  # bytes for the KV cache; default 512MiB unless num_kv_blocks
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
@@ -51,8 +51,13 @@ class EngineConfig:
     # every request's eviction policy unless it names its own: None, "streaming[:sink_tokens=..,window_tokens=..]",
     # "h2o[:heavy_tokens=..,recent_tokens=..]", a mapping or a policy object (kvpage/core/eviction.py)
     kv_eviction: Any = None
+    # with block_size="auto": the lengths (prompt + output) of the sequences to hold at once, as a mapping
+    # {length: count}, "LENGTH:COUNT,..." or a JSONL path; they also size the pool unless memory or blocks are given
+    block_size_lengths: Any = None
+    block_size_advice: Any = field(default=None, init=False)  # the Advice behind an "auto" block size
 
     def __post_init__(self) -> None:
+        self._resolve_block_size()
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -87,9 +92,27 @@ class EngineConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         self.kv_eviction = parse_eviction(self.kv_eviction)
 
+    def _resolve_block_size(self) -> None:
+        if self.block_size != "auto":
+            if self.block_size_lengths is not None:
+                raise ValueError("block_size_lengths is read only with block_size='auto'")
+            return
+        if self.block_size_lengths is None:
+            raise ValueError("block_size='auto' needs block_size_lengths: the sequence lengths to advise on "
+                             "(a {length: count} mapping, 'LENGTH:COUNT,...' or a JSONL path)")  # fmt: skip
+        from kvpage.tools.block_advisor import advise, histogram_from
+
+        try:
+            advice = advise(histogram_from(self.block_size_lengths))
+        except (ValueError, OSError) as e:
+            raise ValueError(f"block_size_lengths: {e}") from None
+        self.block_size, self.block_size_advice = advice.best.block_size, advice
+        if self.num_kv_blocks is None and self.kv_cache_memory is None:
+            self.num_kv_blocks = advice.best.blocks
+
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls) if f.init}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")

@@ -18,7 +18,7 @@ def kvpage(*args: str, input: str | None = None, timeout: int = 180) -> subproce
 
 ENGINE_HELP = ["--model", "smollm2", "--dtype", "bfloat16 where the CPU computes it natively", "--weight-dtype",
                "--block-size", "--kv-cache-memory", "--num-kv-blocks", "--swap-space", "--max-num-seqs",
-               "--max-model-len", "--no-prefix-caching"]  # fmt: skip
+               "--max-model-len", "--no-prefix-caching", "--block-size-lengths"]  # fmt: skip
 HELP_MUST_SAY = {  # what a user reading only `kvpage COMMAND --help` needs to find there
     "demo": ["six chat prompts", "system prompt", "prefix-cache hit rate", "pre-allocated", "--max-tokens"],
     "core-demo": ["block tables", "parallel samples", "--block-size", "--num-blocks", "--seed"],
@@ -33,8 +33,8 @@ HELP_MUST_SAY = {  # what a user reading only `kvpage COMMAND --help` needs to f
               "--output", *ENGINE_HELP],
     "estimate": ["2 x layers x kv_heads x head_dim", "pre-allocated", "paged", "llama-2-7b", "--batch", "--max-len",
                  "--actual-len", "--lengths", "--block-size"],
-    "blocks": ["max(64, 2^floor(log2(avg/4)))", "least simulated", "pre-allocate", "--lengths-file", "--histogram",
-               "--min-block-size", "--max-block-size"],
+    "blocks": ["max(64, 2^floor(log2(avg/4)))", "least cost", "pre-allocate", "--block-cost", "--shared-prefix",
+               "--lengths-file", "--histogram", "--min-block-size", "--max-block-size"],
 }  # fmt: skip
 
 
@@ -78,11 +78,23 @@ def test_blocks_advice_matches_hand_computation(tmp_path):
     # lengths 100, 100, 300, 260: average 190 -> rule max(64, 2^floor(log2(47.5))) = max(64, 32) = 64
     assert "average length 190.0" in r.stdout and "block_size = 64" in r.stdout
     # block 16: 7 + 7 + 19 + 17 = 50 blocks = 800 slots for 760 tokens -> waste 5.0%
-    assert "| 16 | 50 | 800 | 5.0% |" in r.stdout
-    assert "least simulated waste with block_size in [16, 256]: block_size = 16, waste 5.0%" in r.stdout
-    assert "blocks to pre-allocate for these sequences at block_size 16: 50" in r.stdout
+    # block 16: 7 + 7 + 19 + 17 = 50 blocks = 800 slots for 760 tokens -> waste 5.0%; cost 800 + 16 x 50
+    assert "| 16 | 50 | 800 | 5.0% | 0 | 1600 |" in r.stdout
+    assert "| 64 | 14 | 896 | 15.2% | 0 | 1120 |" in r.stdout and "| 128 | 8 | 1024 | 25.8% | 0 | 1152 |" in r.stdout
+    # the least waste would be a block of 1; priced per block and clamped to the seed's 64-256, 64 wins
+    assert "least cost with block_size in [64, 256]" in r.stdout and "block_size = 64, waste 15.2%" in r.stdout
+    assert "blocks to pre-allocate for these sequences at block_size 64: 14" in r.stdout
     r = kvpage("blocks", "--histogram", "128:10")
-    assert "| 128 | 10 | 1280 | 0.0% |" in r.stdout
+    assert "| 128 | 10 | 1280 | 0.0% | 0 | 1440 |" in r.stdout
+    # ten 1,000-token sequences opening with the same 400 tokens: 128 shares 3 whole blocks of it (x 9 sharers)
+    r = kvpage("blocks", "--histogram", "1000:10", "--shared-prefix", "400")
+    assert (
+        "| 128 | 53 | 10240 | 2.3% | 3456 | 7632 |" in r.stdout
+        and "| 256 | 31 | 10240 | 2.3% | 2304 | 8432 |" in r.stdout
+    )
+    assert "block_size = 128, waste 2.3%" in r.stdout
+    r = kvpage("blocks", "--histogram", "1000:10", "--block-cost", "0", "--min-block-size", "1")
+    assert "[1, 256] (waste + 0 slots per block" in r.stdout and "block_size = 8, waste 0.0%" in r.stdout
 
 
 def test_generate_prints_completions_and_stats():

@@ -1,11 +1,19 @@
-"""Block-size advice from the lengths a deployment actually sees.
+"""Block-size advice from the lengths a deployment actually sees (`kvpage blocks`, `block_size="auto"`).
 
-The seed documents' rule of thumb is block_size = max(64, 2 ** floor(log2(avg_seq_len / 4))).
-Next to it we simulate: for each power-of-two block size, the slots a paged cache allocates for
-those lengths and how many of them hold no token (internal fragmentation of each last block).
-Waste never grows as blocks shrink, so the lower bound on the block size (`min_block_size`) is
-the real decision: it stands for per-block costs (block-table entries, bookkeeping, kernel
-efficiency) that this simulation does not price.
+The seed documents' rule of thumb is block_size = max(64, 2 ** floor(log2(avg_seq_len / 4))), and
+their range 64-256: small blocks cost management (a block-table entry, a gather and a pool entry
+each), large ones waste the tail of every sequence's last block and share prefixes only in whole
+blocks. The advisor prices both sides in token slots, for each power-of-two block size:
+
+    cost = slots allocated                          (tokens + the empty tail of each last block)
+         - slots saved by sharing a common prefix   (only its whole blocks are shared)
+         + block_cost x blocks                      (the per-block cost, in slot equivalents)
+
+and picks the cheapest size within [min_block_size, max_block_size] (64-256 by default, the seed's).
+For one length L the optimum is near sqrt(2 x block_cost x L) (waste ~ bs/2 per sequence against
+block_cost x L/bs), where the seed's rule says L/4. BLOCK_COST comes from benchmarks/block_size.py
+(RESULTS.md): on a CPU the per-block costs are small next to the memory a wasted tail holds, so the
+default leans towards the lower end of the range.
 """
 
 from __future__ import annotations
@@ -15,39 +23,78 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+BLOCK_COST = 16  # token slots one block's management is worth (see the module docstring)
+
 
 @dataclass(slots=True, frozen=True)
 class BlockChoice:
     block_size: int
-    blocks: int  # blocks to hold every sequence at once
-    slots: int
+    blocks: int  # blocks to hold every sequence at once, a shared prefix stored once
+    slots: int  # slots allocated without sharing
     waste: float  # slots holding no token / slots
+    shared_slots: int  # slots a shared prefix saves (whole blocks only)
+    cost: float  # slots - shared_slots + block_cost * blocks
+
+
+@dataclass(slots=True, frozen=True)
+class Advice:
+    seed_rule: int
+    table: list[BlockChoice]
+    best: BlockChoice
+    average_length: float
+    block_cost: float
+    min_block_size: int
+    max_block_size: int
 
 
 def seed_rule(avg_len: float) -> int:
     return max(64, 2 ** math.floor(math.log2(max(avg_len, 1) / 4))) if avg_len >= 4 else 64
 
 
-def simulate(histogram: dict[int, int], block_size: int) -> BlockChoice:
+def simulate(histogram: dict[int, int], block_size: int, block_cost: float = BLOCK_COST, shared_prefix: int = 0,
+             shared_count: int = 0) -> BlockChoice:  # fmt: skip
     blocks = sum(count * -(-length // block_size) for length, count in histogram.items())
     tokens = sum(length * count for length, count in histogram.items())
     slots = blocks * block_size
-    return BlockChoice(block_size, blocks, slots, (slots - tokens) / slots if slots else 0.0)
+    shared_blocks = (shared_prefix // block_size) * max(shared_count - 1, 0)
+    stored = blocks - shared_blocks
+    return BlockChoice(block_size, stored, slots, (slots - tokens) / slots if slots else 0.0,
+                       shared_blocks * block_size, stored * block_size + block_cost * stored)  # fmt: skip
 
 
-def advise(histogram: dict[int, int], min_block_size: int = 16, max_block_size: int = 256):
-    """(seed rule's size, table over powers of two 1..max, the least-waste size within [min, max])."""
+def advise(histogram: dict[int, int], min_block_size: int = 64, max_block_size: int = 256, *,
+           block_cost: float = BLOCK_COST, shared_prefix: int = 0, shared_count: int = 0) -> Advice:  # fmt: skip
+    """The table over powers of two 1..max_block_size and the cheapest size within [min, max].
+    `shared_prefix` tokens are common to `shared_count` of the sequences (a system prompt)."""
     if not histogram or any(n < 1 or c < 0 for n, c in histogram.items()) or not sum(histogram.values()):
         raise ValueError("lengths must be positive integers with positive counts")
-    if min_block_size < 1 or min_block_size > max_block_size:
-        raise ValueError(f"min_block_size must be in [1, {max_block_size}], got {min_block_size}")
+    for name, v in (("min_block_size", min_block_size), ("max_block_size", max_block_size)):
+        if v < 1 or v > 1024 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two in [1, 1024], got {v}")
+    if min_block_size > max_block_size:
+        raise ValueError(f"min_block_size ({min_block_size}) must not exceed max_block_size ({max_block_size})")
+    if block_cost < 0 or shared_prefix < 0 or shared_count < 0:
+        raise ValueError("block_cost, shared_prefix and shared_count must be >= 0")
     total = sum(histogram.values())
     avg = sum(n * c for n, c in histogram.items()) / total
     sizes = [2**k for k in range(0, int(math.log2(max_block_size)) + 1)]
-    table = [simulate(histogram, b) for b in sizes]
+    table = [simulate(histogram, b, block_cost, shared_prefix, shared_count) for b in sizes]
     allowed = [c for c in table if c.block_size >= min_block_size]
-    best = min(allowed, key=lambda c: (c.waste, -c.block_size))
-    return seed_rule(avg), table, best, avg
+    best = min(allowed, key=lambda c: (c.cost, -c.block_size))  # a tie: fewer blocks
+    return Advice(seed_rule(avg), table, best, avg, block_cost, min_block_size, max_block_size)
+
+
+def histogram_from(value: str | dict) -> dict[int, int]:
+    """A mapping {length: count}, a "LENGTH:COUNT,..." string, or the path of a JSONL of lengths."""
+    if isinstance(value, dict):
+        hist = {int(k): int(v) for k, v in value.items()}
+        if not hist or any(n < 1 or c < 0 for n, c in hist.items()) or not sum(hist.values()):
+            raise ValueError("lengths must be positive integers with positive counts")
+        return hist
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"expected a histogram mapping, LENGTH:COUNT,... or a JSONL path; got {value!r}")
+    path = Path(value)
+    return read_lengths(path) if path.suffix in (".jsonl", ".json") or path.exists() else parse_histogram(value)
 
 
 def read_lengths(path: Path) -> dict[int, int]:
