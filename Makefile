@@ -26,8 +26,11 @@ lint: $(STAMP)
 	$(PY) -m ruff check kvpage tests benchmarks
 	$(PY) -m ruff format --check kvpage tests benchmarks
 
+# The seed documents' claims re-measured (benchmarks/results/, RESULTS.md, the README's headline table).
+# `make bench QUICK=1`: a few minutes in all. `make bench SUITE=sharing`: one of them.
+SUITE ?= all
 bench: $(STAMP)
-	$(PY) benchmarks/core_ops.py
+	$(VENV)/bin/kvpage bench --suite $(SUITE) $(if $(QUICK),--quick)
 
 install: $(STAMP)
 

@@ -32,6 +32,16 @@ def suite_args(ap) -> None:
     ap.add_argument("--no-results", action="store_true", help="do not write benchmarks/RESULTS.md")
 
 
+_INVOKED: list[str] = []  # the script and arguments of the run in progress (see parse)
+
+
+def parse(ap, argv: list[str] | None, script: str):
+    """ap.parse_args(argv), remembering the command line for the records (argv None: sys.argv)."""
+    args = ap.parse_args(argv)
+    _INVOKED[:] = [Path(script).name, *(sys.argv[1:] if argv is None else argv)]
+    return args
+
+
 def recording(args) -> bool:
     return not (args.no_results or args.smoke)
 
@@ -79,9 +89,17 @@ def versions(*modules: str) -> str:
 
 
 def write_json(name: str, data: dict) -> Path:
+    """<out>/<name>.json: the figures, plus where and how they were measured under "_meta"."""
+    meta = {"date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "machine": machine(),
+            "versions": versions("torch"), "command": command()}  # fmt: skip
     path = out_dir() / f"{name}.json"
-    path.write_text(json.dumps(data, indent=2, allow_nan=False))
+    path.write_text(json.dumps(data | {"_meta": meta}, indent=2, allow_nan=False))
     return path
+
+
+def command() -> str:
+    name, *rest = _INVOKED or [Path(sys.argv[0]).name, *sys.argv[1:]]
+    return " ".join(["python", f"benchmarks/{name}", *rest])
 
 
 def save_plot(name: str, draw) -> Path | None:
@@ -109,10 +127,9 @@ def append_results(title: str, body: str, *modules: str, key: str | None = None)
     `<!-- suite:key -->` markers, so RESULTS.md shows each claim's latest measurement once; without
     one it is appended (the history of the other scripts)."""
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    cmd = " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
     section = (
         f"\n## {title} — {stamp}\n\n"
-        f"- command: `{cmd}`\n- machine: {machine()}\n- versions: {versions(*modules)}\n\n{body.rstrip()}\n"
+        f"- command: `{command()}`\n- machine: {machine()}\n- versions: {versions(*modules)}\n\n{body.rstrip()}\n"
     )
     if not RESULTS.exists():
         RESULTS.write_text("# Benchmark results\n\nEach section is written by a script in `benchmarks/`.\n")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 
-from _report import append_results, recording, save_plot, suite_args, write_json
+from _report import append_results, parse, recording, save_plot, suite_args, write_json
 
 from kvpage import LLM, BeamSearchParams, SamplingParams
 from kvpage.tools.perplexity import english_corpus
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=64, help="new tokens of the short shape; the long one 2x")
     ap.add_argument("--dtype", default="auto")
     suite_args(ap)
-    args = ap.parse_args(argv)
+    args = parse(ap, argv, __file__)
     widths, long_len = [1, 2, 4, 8], 512
     if args.quick:
         widths, long_len = [1, 4, 8], 256

@@ -21,7 +21,7 @@ import argparse
 import random
 import time
 
-from _report import append_results, recording, save_plot, suite_args, write_json
+from _report import append_results, parse, recording, save_plot, suite_args, write_json
 from sharing import SYSTEM
 
 from kvpage import LLM, SamplingParams
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     suite_args(ap)
-    args = ap.parse_args(argv)
+    args = parse(ap, argv, __file__)
     lengths, batch, context, gen = {"prompts": (32, 512), "outputs": (16, 128)}, 16, 512, 16
     if args.quick:
         args.requests, args.sizes = 32, [8, 16, 64, 256]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from _report import append_results, recording, save_plot, suite_args, write_json
+from _report import append_results, parse, recording, save_plot, suite_args, write_json
 
 from kvpage import LLM, SamplingParams
 from kvpage.baselines import NoCacheGenerator, StaticCacheGenerator
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--short-contexts", type=int, nargs="+", default=[32, 128, 512])
     ap.add_argument("--short-outputs", type=int, nargs="+", default=[1, 2, 4, 16])
     suite_args(ap)  # --quick: contexts 128 and 512 only
-    args = ap.parse_args(argv)
+    args = parse(ap, argv, __file__)
     if args.quick:
         args.contexts, args.gen, args.short_contexts = [128, 512], 4, [32, 128]
     if args.smoke:

@@ -20,7 +20,7 @@ import time
 
 import torch
 from _bound import linears_only, median_time
-from _report import append_results, recording, save_plot, suite_args, write_json
+from _report import append_results, parse, recording, save_plot, suite_args, write_json
 
 from kvpage.core import KVCacheManager
 from kvpage.core.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=CONTEXT, help=f"cached tokens per decode (default {CONTEXT})")
     ap.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)), help="decode batch sizes")
     suite_args(ap)
-    args = ap.parse_args(argv)
+    args = parse(ap, argv, __file__)
     if args.quick:
         args.repeat, args.no_transformers, args.dtypes = 2, True, choose_dtype("auto")[0]
         args.batches = "1,64,256"

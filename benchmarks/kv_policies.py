@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from _report import append_results, recording, save_plot, suite_args, write_json
+from _report import append_results, parse, recording, save_plot, suite_args, write_json
 
 from kvpage import LLM, SamplingParams
 from kvpage.tools.perplexity import english_corpus, perplexity
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (max_num_batched_tokens), default 512")
     suite_args(ap)
-    args = ap.parse_args(argv)
+    args = parse(ap, argv, __file__)
     if args.quick:
         args.ppl_tokens, args.requests, args.gen = 2048, 8, 32
     if args.smoke:

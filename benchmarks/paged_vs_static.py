@@ -21,7 +21,7 @@ import random
 import time
 
 from _bound import decode_bound
-from _report import append_results, recording, save_plot, suite_args, write_json
+from _report import append_results, parse, recording, save_plot, suite_args, write_json
 
 from kvpage import LLM, SamplingParams
 from kvpage.baselines import StaticCacheGenerator
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     suite_args(ap)
-    args = ap.parse_args(argv)
+    args = parse(ap, argv, __file__)
     lengths = {"prompts": (32, 512), "outputs": (32, 256)}
     if args.quick:
         args.requests = 16

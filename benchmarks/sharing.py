@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from _report import append_results, recording, save_plot, suite_args, write_json
+from _report import append_results, parse, recording, save_plot, suite_args, write_json
 
 from kvpage import LLM, SamplingParams
 
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", help="float32 (default): greedy tokens equal with sharing or not")
     ap.add_argument("--block-size", type=int, default=16)
     suite_args(ap)
-    args = ap.parse_args(argv)
+    args = parse(ap, argv, __file__)
     ns, gens, repeats = [2, 4, 8], [args.gen, 4 * args.gen], 3
     if args.quick:
         ns, gens, args.questions = [2, 8], [args.gen], 8

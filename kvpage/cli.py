@@ -225,6 +225,10 @@ def _serve(args) -> int:
 
 
 def _bench(args) -> int:
+    if args.suite:
+        from kvpage.tools.bench_suite import run_suite
+
+        return run_suite(args.suite, quick=args.quick, smoke=args.smoke, no_results=args.no_results)
     from kvpage.tools.bench import run_bench
 
     result = run_bench(_make_llm(args), num_requests=args.num_requests, input_len=args.input_len,
@@ -350,7 +354,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="offline throughput on a seeded synthetic workload or a JSONL of prompts",
                        description="Measure offline throughput: a seeded synthetic workload (random prompt "
                        "tokens, greedy, ignore_eos) or prompts from a JSONL file; prints a table and can write "
-                       "JSON.")  # fmt: skip
+                       "JSON. With --suite: the seed documents' claims re-measured by the scripts in benchmarks/ "
+                       "(JSON and PNG in benchmarks/results/, sections of benchmarks/RESULTS.md, the README's "
+                       "headline table).")  # fmt: skip
+    from kvpage.tools.bench_suite import SUITE
+
+    p.add_argument("--suite", nargs="+", default=None, metavar="NAME",
+                   help=f"run suite benchmarks instead: all, or any of {', '.join(SUITE)}")  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="with --suite: smaller runs, a few minutes in all")
+    p.add_argument("--smoke", action="store_true", help="with --suite: the tiniest runs (what the tests run)")
+    p.add_argument("--no-results", action="store_true", help="with --suite: do not write RESULTS.md or README")
     p.add_argument("--num-requests", type=int, default=64, help="synthetic requests (default 64)")
     p.add_argument("--input-len", default="32:512", help="prompt length range LOW:HIGH (default 32:512)")
     p.add_argument("--output-len", default="32:256", help="output length range LOW:HIGH (default 32:256)")

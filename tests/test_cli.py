@@ -133,6 +133,8 @@ def test_errors_are_one_clear_line():
         ["blocks", "--histogram", "abc"],
         ["generate", "hi", "--block-size", "12"],
         ["bench", "--input-len", "9:3", "--num-kv-blocks", "8"],
+        ["bench", "--suite", "no-such-benchmark"],
+        ["generate", "hi", "--block-size", "auto"],
     )
     for args in cases:
         r = kvpage(*args)

@@ -1,0 +1,123 @@
+"""The README's headline table, rewritten from the JSON the suite last wrote (benchmarks/results/).
+
+`kvpage bench --suite ...` runs this after a recorded run; by hand: python benchmarks/headline.py.
+The table sits between <!-- headline:start --> and <!-- headline:end --> in README.md; each row is
+one seed claim, the figure measured here, the plot and the command that measured it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from _report import ROOT, out_dir
+
+README = ROOT.parent / "README.md"
+START, END = "<!-- headline:start -->", "<!-- headline:end -->"
+
+
+def _load(results: Path, name: str) -> dict | None:
+    path = results / f"{name}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _pct(x: float) -> str:
+    return f"{x:.1%}"
+
+
+def rows(results: Path) -> list[tuple[str, str, str, str]]:
+    """(claim, the seeds' figure, measured here, name of the benchmark) per claim, where measured."""
+    out = []
+    d = _load(results, "cache_vs_nocache")
+    if d:
+        by = {r["context"]: r for r in d["rows"]}
+        got = " / ".join(f"{by[c]['speedup']:.1f}x at {c:,}" for c in sorted(by))
+        out.append(("KV cache against recomputing without one, decode time per token", "4.8x at 512, 15x at 2,048 "
+                    "(A100)", got, "cache_vs_nocache"))  # fmt: skip
+    d = _load(results, "paged_vs_static")
+    if d:
+        p = d["part1"]
+        less = 1 - (p["paged_slots"] - p["held"]) / (p["static_slots"] - p["held"])
+        out.append(("Waste at 8 concurrent requests, paged vs a static cache", "73% less waste; paged < 4% "
+                    "(vLLM paper)", f"paged {_pct(p['paged_waste'])}, static {_pct(p['static_waste'])}: "
+                    f"{_pct(less)} less", "paged_vs_static"))  # fmt: skip
+        q = d["part2"]
+        ratio = q["paged"]["tok_s"] / max(q["static"]["tok_s"], 1e-9)
+        out.append((f"Requests at once in one {d['budget']} KV budget", "", f"paged up to {q['paged']['concurrent']}"
+                    f", static {q['static']['concurrent']}; {ratio:.2f}x tokens/s", "paged_vs_static"))  # fmt: skip
+    d = _load(results, "sharing")
+    if d:
+        full = max(d["full_sequence"], key=lambda r: (r["n"], -r["gen"]))
+        out.append((f"Full-sequence sharing, n = {full['n']} samples of one prompt", "90%+",
+                    f"{_pct(full['saved'])} (the most possible {_pct(full['most_saved'])})", "sharing"))  # fmt: skip
+        cs = d["customer_service"]
+        out.append(("Prefix sharing, customer-service system prompt", "58% on average (40-70%)",
+                    f"{_pct(cs['saved'])} (the most possible {_pct(cs['most_saved'])})", "sharing"))  # fmt: skip
+        t = d["ttft"]
+        out.append(("Time to first token, system prompt warm vs cold", "", f"{t['speedup']:.1f}x faster warm",
+                    "sharing"))  # fmt: skip
+    d = _load(results, "beam_memory")
+    if d:
+        beam = {r["width"]: r for r in d["rows"] if r["mode"] == "beam" and r["prompt_tokens"] == d["rows"][0][
+            "prompt_tokens"]}  # fmt: skip
+        got = " / ".join(f"{_pct(beam[w]['saved_vs_contiguous'])} at {w}" for w in (4, 8) if w in beam)
+        out.append(("Beam search memory against contiguous copies per beam (peak)", "62.5% at width 4, 71.9% at 8",
+                    got, "beam_memory"))  # fmt: skip
+    d = _load(results, "block_size")
+    if d:
+        out.append(("Block size for this workload", f"max(64, 2^floor(log2(avg/4))) = {d['seed_rule']}",
+                    f"measured best {d['measured_best']}; `kvpage blocks` {d['advised']}", "block_size"))  # fmt: skip
+    d = _load(results, "kv_policies")
+    if d:
+        base = d["rows"][0]
+        int8 = next((r for r in d["rows"] if r["kv_cache_dtype"] == "int8" and r["kv_eviction"] == "none"), None)
+        if int8:
+            out.append(("int8 KV blocks", "half the memory of fp16, < 1% loss",
+                        f"{int8['bytes_per_token'] / base['bytes_per_token']:.2f}x the bytes of {d['args']['dtype']}, "
+                        f"perplexity {int8['perplexity'] / base['perplexity'] - 1:+.2%}", "kv_policies"))  # fmt: skip
+    d = _load(results, "forward_pass")
+    if d:
+        dec = [r for r in d["rows"] if r["kind"] == "decode"]
+        if dec:
+            big = max(dec, key=lambda r: r["batch"])
+            out.append((f"The machine's limit: forward pass / linear layers alone, decode batch {big['batch']}",
+                        "", f"{big['ratio']:.2f} ({big['dtype']}, {big['backend']})", "forward_pass"))  # fmt: skip
+    return out
+
+
+def table(results: Path) -> str:
+    lines = ["| claim | the seeds | measured here | plot, command, date |", "|---|---|---|---|"]
+    machines = set()
+    for claim, seed, got, name in rows(results):
+        meta = (_load(results, name) or {}).get("_meta", {})
+        machines.add(meta.get("machine"))
+        how = [f"[plot](benchmarks/results/{name}.png)"] if (results / f"{name}.png").exists() else []
+        how += [f"`{meta['command']}`"] if "command" in meta else []
+        how += [meta["date"][:10]] if "date" in meta else []
+        lines.append(f"| {claim} | {seed} | {got} | {', '.join(how)} |")
+    machines.discard(None)
+    note = f"\n\nMeasured on: {'; '.join(sorted(machines))}." if machines else ""
+    return "\n".join(lines) + note
+
+
+def update_readme(readme: Path, text: str) -> bool:
+    body = readme.read_text()
+    if START not in body or END not in body:
+        return False
+    head, rest = body.split(START, 1)
+    readme.write_text(head + START + "\n" + text + "\n" + END + rest.split(END, 1)[1])
+    return True
+
+
+def main() -> None:
+    text = table(out_dir())
+    print(text)
+    if not update_readme(README, text):
+        print(f"{README} has no {START} ... {END} markers: nothing written")
+
+
+if __name__ == "__main__":
+    main()
