@@ -100,7 +100,11 @@ def main(argv: list[str] | None = None) -> None:
     save_plot("beam_memory", draw)
     if recording(args):
         body = (f"{args.dtype}, 16-token blocks, prefix caching off; slots = blocks x 16. Plot "
-                f"`benchmarks/results/beam_memory.png`.\n\n{table}")  # fmt: skip
+                f"`benchmarks/results/beam_memory.png`.\n\n{table}\n\nWhy ours differ from the seed's: its "
+                "figures are GPT-3 175B with its own prompts and lengths. The saving against contiguous copies "
+                "grows with the prompt's share of each beam and with the reserve each copy holds (prompt + "
+                "max_tokens from the start), and beams that part early share fewer blocks; n seeded samples part "
+                "at their first token, beams keep sharing the prefix they agree on.")  # fmt: skip
         append_results("Parallel sampling and beam-search memory (benchmarks/beam_memory.py)", body, "torch",
                        key="beam_memory")  # fmt: skip
 

@@ -7,7 +7,7 @@ For pools of 1k, 10k and 100k blocks holding 10 to 10,000 live sequences, time e
   fork      a live sequence into a new one (shares its 2-3 blocks)
   free      a 2-block sequence
 Prints operations per second (best of --repeat runs); flat columns mean O(1) per operation.
-Writes benchmarks/out/core_ops.json and appends a section to benchmarks/RESULTS.md.
+Writes benchmarks/results/core_ops.json and appends a section to benchmarks/RESULTS.md.
 
     python benchmarks/core_ops.py [--ops 2000] [--no-results]
 """

@@ -219,7 +219,12 @@ def main(argv: list[str] | None = None) -> None:
 
     save_plot("sharing", draw)
     if recording(args):
-        body = f"{args.dtype}, blocks of {bs}; plot `benchmarks/results/sharing.png`.\n\n{table}"
+        body = (f"{args.dtype}, blocks of {bs}; plot `benchmarks/results/sharing.png`.\n\n{table}\n\nWhy ours "
+                "differ from the seed's: n copies of one prompt can save at most 1 - 1/n of it, less each sample's "
+                "private tokens, so 90%+ needs n >= 10 with outputs short beside the prompt; prefix sharing saves the "
+                "system prompt's share of every request (here a "
+                f"{cs['common_prefix_tokens']}-token prompt against questions and {cs['gen']}-token answers), in "
+                "whole blocks only.")  # fmt: skip
         append_results("KV sharing (benchmarks/sharing.py)", body, "torch", key="sharing")
 
 
