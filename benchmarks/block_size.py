@@ -21,6 +21,7 @@ import argparse
 import random
 import time
 
+from _bound import decode_bound
 from _report import append_results, parse, recording, save_plot, suite_args, write_json
 from sharing import SYSTEM
 
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         r = {"block_size": bs, "blocks": blocks} | run(llm, work)
         llm.reset_prefix_cache()
         r["decode_ms"] = decode_ms(llm, corpus[:context], batch, gen)
+        r["linear_bound_tok_s"] = decode_bound(llm.llm_engine.runner.model, r["mean_running"])
         rows.append(r)
         print(f"block {bs:>3}: waste {r['waste']:.1%}, hits {r['prefix_hit_rate']:.1%}, running "
               f"{r['mean_running']:.1f}, {r['tok_s']:.1f} tok/s, table {r['table_entries']:.0f}, "
@@ -125,12 +127,14 @@ def main(argv: list[str] | None = None) -> None:
     lines = [f"{args.requests} requests at once (prompts {lengths['prompts'][0]}-{lengths['prompts'][1]}, outputs "
              f"{lengths['outputs'][0]}-{lengths['outputs'][1]}, half opening with a {len(system)}-token system "
              f"prompt; average length {avg:.0f} tokens) in one {args.budget} KV budget, {args.dtype}:", "",
-             "| block size | blocks | waste (mean) | prefix hit rate | running (mean) | output tokens/s "
+             "| block size | blocks | waste (mean) | prefix hit rate | running (mean) | output tokens/s (of the "
+             "linear bound) "
              f"| table entries per step | decode ms, {batch} x {context} |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['block_size']} | {r['blocks']:,} | {r['waste']:.1%} | {r['prefix_hit_rate']:.1%} "
-                     f"| {r['mean_running']:.1f} | {r['tok_s']:.1f} | {r['table_entries']:.0f} "
+                     f"| {r['mean_running']:.1f} | {r['tok_s']:.1f} ({r['tok_s'] / r['linear_bound_tok_s']:.0%}) "
+                     f"| {r['table_entries']:.0f} "
                      f"| {r['decode_ms']:.1f} |")  # fmt: skip
     lines += ["", f"- the seed's rule max(64, 2^floor(log2(avg/4))) for an average of {avg:.0f}: **{rule}**",
               f"- `kvpage blocks` (waste + {advice.block_cost} slots per block + unshared prefix, within "
