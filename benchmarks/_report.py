@@ -21,7 +21,9 @@ RESULTS = ROOT / "RESULTS.md"
 
 
 def out_dir() -> Path:
-    path = Path(os.environ.get("KVPAGE_BENCH_OUT") or ROOT / "results")
+    """$KVPAGE_BENCH_OUT, else benchmarks/results/ (benchmarks/results/smoke/ for a --smoke run)."""
+    default = ROOT / "results" / "smoke" if _SMOKE else ROOT / "results"
+    path = Path(os.environ.get("KVPAGE_BENCH_OUT") or default)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -33,11 +35,14 @@ def suite_args(ap) -> None:
 
 
 _INVOKED: list[str] = []  # the script and arguments of the run in progress (see parse)
+_SMOKE = False  # a --smoke run in progress: its output never lands where the README links
 
 
 def parse(ap, argv: list[str] | None, script: str):
     """ap.parse_args(argv), remembering the command line for the records (argv None: sys.argv)."""
+    global _SMOKE
     args = ap.parse_args(argv)
+    _SMOKE = bool(getattr(args, "smoke", False))
     _INVOKED[:] = [Path(script).name, *(sys.argv[1:] if argv is None else argv)]
     return args
 

@@ -12,7 +12,7 @@ a budget of --policy-tokens per sequence), and int8 with StreamingLLM. Per row:
 The seed's claims: int8/fp8 halve the memory (of fp16) with under 1% accuracy loss; quantization with
 sharing saves a further 50-70%.
 
-    python benchmarks/kv_policies.py [--budget 160MiB] [--requests 16] [--quick | --smoke] [--no-results]
+    python benchmarks/kv_policies.py [--budget 256MiB] [--requests 16] [--quick | --smoke] [--no-results]
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="float32", help="the model's dtype (default float32)")
     ap.add_argument("--policy-tokens", type=int, default=512, help="the eviction policies' budget per sequence")
     ap.add_argument("--ppl-tokens", type=int, default=4096)
-    ap.add_argument("--budget", default="160MiB", help="the KV memory of the in-budget run (default 160MiB)")
+    ap.add_argument("--budget", default="256MiB", help="the KV memory of the in-budget run (default 256MiB)")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--gen", type=int, default=64)

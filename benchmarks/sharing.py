@@ -71,10 +71,6 @@ def chat(llm: LLM, question: str) -> list[int]:
     return tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True))
 
 
-def blocks(n: int, bs: int) -> int:
-    return -(-n // bs)
-
-
 def traced_run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[list, list]:
     """Run the requests to the end; (used blocks, logical blocks) after every step, and the outputs."""
     engine, samples, outs = llm.llm_engine, [], []
@@ -90,23 +86,23 @@ def traced_run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams])
     return samples, outs
 
 
-def summary(samples: list, ideal_used: int, independent: int) -> dict:
-    used, logical = max(samples)  # the step using the most blocks
+def summary(samples: list, shareable: int) -> dict:
+    """At the step holding the most (every sequence at its longest): blocks in use against logical ones,
+    and the most sharing could save there: `shareable` blocks (the whole blocks of common tokens that
+    every sequence but one need not store) fewer than the logical blocks."""
+    logical, used = max((lg, u) for u, lg in samples)
+    ideal = logical - shareable
     return {"used_blocks": used, "logical_blocks": logical, "saved": 1 - used / logical,
             "mean_saved": sum(1 - u / lg for u, lg in samples) / len(samples),
-            "ideal_used_blocks": ideal_used, "ideal_logical_blocks": independent,
-            "most_saved": 1 - ideal_used / independent}  # fmt: skip
+            "ideal_used_blocks": ideal, "ideal_logical_blocks": logical, "most_saved": 1 - ideal / logical}  # fmt: skip
 
 
 def full_sequence(llm: LLM, n: int, gen: int, bs: int) -> dict:
     prompt = chat(llm, QUESTIONS[0])
     sp = SamplingParams(n=n, temperature=0.8, seed=n, max_tokens=gen, ignore_eos=True)
     samples, _ = traced_run(llm, [prompt], [sp])
-    shared_full = len(prompt) // bs  # the prompt's full blocks; the rest of each sample is its own
-    stored = len(prompt) + gen - 1  # (the last sampled token's K/V is never computed)
-    ideal = shared_full + n * blocks(stored - shared_full * bs, bs)
-    head = {"n": n, "prompt_tokens": len(prompt), "gen": gen}
-    return head | summary(samples, ideal, n * blocks(stored, bs))
+    # the prompt's whole blocks are common; each sample's tail, partial prompt block included, is its own
+    return {"n": n, "prompt_tokens": len(prompt), "gen": gen} | summary(samples, (n - 1) * (len(prompt) // bs))
 
 
 def common_prefix(lists: list[list[int]]) -> int:
@@ -122,8 +118,6 @@ def customer_service(llm: LLM, off: LLM, questions: int, gen: int, bs: int) -> d
     llm.reset_prefix_cache()
     samples, outs = traced_run(llm, prompts, params)
     common = common_prefix(prompts)
-    independent = sum(blocks(len(p) + gen - 1, bs) for p in prompts)
-    ideal = common // bs + sum(blocks(len(p) + gen - 1, bs) - common // bs for p in prompts)
     off_samples, off_outs = traced_run(off, prompts, params)
     same = [o.outputs[0].token_ids for o in sorted(outs, key=lambda o: o.request_id)] == [
         o.outputs[0].token_ids for o in sorted(off_outs, key=lambda o: o.request_id)
@@ -132,7 +126,7 @@ def customer_service(llm: LLM, off: LLM, questions: int, gen: int, bs: int) -> d
             "prompt_tokens": [len(p) for p in prompts], "same_tokens_without_sharing": same,
             "without_sharing_peak_used": max(u for u, _ in off_samples),
             "without_sharing_peak_logical": max(lg for _, lg in off_samples),
-            **summary(samples, ideal, independent)}  # fmt: skip
+            **summary(samples, (len(prompts) - 1) * (common // bs))}  # fmt: skip
 
 
 def ttft(llm: LLM, repeats: int) -> dict:

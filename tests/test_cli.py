@@ -73,7 +73,7 @@ def test_estimate_matches_the_formula_by_hand():
 def test_blocks_advice_matches_hand_computation(tmp_path):
     f = tmp_path / "lengths.jsonl"
     f.write_text("\n".join(json.dumps(x) for x in [100, 100, {"length": 300}, {"prompt_len": 200, "output_len": 60}]))
-    r = kvpage("blocks", "--lengths-file", str(f))
+    r = kvpage("blocks", "--lengths-file", str(f), "--block-cost", "16")
     assert r.returncode == 0, r.stderr
     # lengths 100, 100, 300, 260: average 190 -> rule max(64, 2^floor(log2(47.5))) = max(64, 32) = 64
     assert "average length 190.0" in r.stdout and "block_size = 64" in r.stdout
@@ -84,10 +84,10 @@ def test_blocks_advice_matches_hand_computation(tmp_path):
     # the least waste would be a block of 1; priced per block and clamped to the seed's 64-256, 64 wins
     assert "least cost with block_size in [64, 256]" in r.stdout and "block_size = 64, waste 15.2%" in r.stdout
     assert "blocks to pre-allocate for these sequences at block_size 64: 14" in r.stdout
-    r = kvpage("blocks", "--histogram", "128:10")
+    r = kvpage("blocks", "--histogram", "128:10", "--block-cost", "16")
     assert "| 128 | 10 | 1280 | 0.0% | 0 | 1440 |" in r.stdout
     # ten 1,000-token sequences opening with the same 400 tokens: 128 shares 3 whole blocks of it (x 9 sharers)
-    r = kvpage("blocks", "--histogram", "1000:10", "--shared-prefix", "400")
+    r = kvpage("blocks", "--histogram", "1000:10", "--shared-prefix", "400", "--block-cost", "16")
     assert (
         "| 128 | 53 | 10240 | 2.3% | 3456 | 7632 |" in r.stdout
         and "| 256 | 31 | 10240 | 2.3% | 2304 | 8432 |" in r.stdout

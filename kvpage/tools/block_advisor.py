@@ -11,9 +11,14 @@ blocks. The advisor prices both sides in token slots, for each power-of-two bloc
 
 and picks the cheapest size within [min_block_size, max_block_size] (64-256 by default, the seed's).
 For one length L the optimum is near sqrt(2 x block_cost x L) (waste ~ bs/2 per sequence against
-block_cost x L/bs), where the seed's rule says L/4. BLOCK_COST comes from benchmarks/block_size.py
-(RESULTS.md): on a CPU the per-block costs are small next to the memory a wasted tail holds, so the
-default leans towards the lower end of the range.
+block_cost x L/bs), where the seed's rule says L/4.
+
+BLOCK_COST is 0 because that is what benchmarks/block_size.py measures on the CPUs here: from 8 to
+256 tokens per block, a decode step got no faster as blocks grew (46.8 ms at 8, 74.8 at 64, 79.7 at
+256 for 16 x 512 tokens) and one KV budget's throughput was best at 16 (RESULTS.md). So within the
+range the advice is the least memory (waste and unshared prefix); the range itself stands for the
+GPU kernels the seeds are about, where a block is a unit of a thread block's work. Leave it with
+--min-block-size (on a CPU, 16 measured best) and give a per-block cost with --block-cost.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-BLOCK_COST = 16  # token slots one block's management is worth (see the module docstring)
+BLOCK_COST = 0  # token slots one block's management is worth, as measured here (see the module docstring)
 
 
 @dataclass(slots=True, frozen=True)
