@@ -6,7 +6,7 @@ budget (--budget) at each block size. Per block size:
   waste        allocated slots holding no token, mean over the run's steps (internal fragmentation)
   prefix hits  prompt tokens served from the prefix cache (only whole blocks are shared)
   concurrency  sequences running per step, mean (the budget holds fewer when more of it is waste)
-  throughput   output tokens/s of the whole workload
+  throughput   output tokens/s of the whole workload (the best of --repeats runs)
   table        block-table entries the attention read per step (the per-block cost: one gather each)
   decode ms    one decode step of 16 sequences at 512 tokens of context (the kernels' per-block cost)
 Beside them: the seed's rule max(64, 2^floor(log2(avg_len / 4))) for this workload's lengths, the
@@ -65,10 +65,10 @@ def run(llm: LLM, work) -> dict:
             "preemptions": sched.num_preemptions}  # fmt: skip
 
 
-def decode_ms(llm: LLM, prompt: list[int], batch: int, gen: int) -> float:
+def decode_ms(llm: LLM, prompt: list[int], batch: int, gen: int, repeats: int) -> float:
     def timed(n: int) -> float:
         best = float("inf")
-        for _ in range(2):
+        for _ in range(repeats + 1):
             t0 = time.perf_counter()
             llm.generate([prompt] * batch, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
                          use_tqdm=False)  # fmt: skip
@@ -85,13 +85,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=2, help="runs of the workload per block size; the best counts")
     suite_args(ap)
     args = parse(ap, argv, __file__)
     lengths, batch, context, gen = {"prompts": (32, 512), "outputs": (16, 128)}, 16, 512, 16
     if args.quick:
-        args.requests, args.sizes = 32, [8, 16, 64, 256]
+        args.requests, args.sizes, args.repeats = 32, [8, 16, 64, 256], 1
     if args.smoke:
-        args.requests, args.sizes, args.budget = 4, [8, 64], "8MiB"
+        args.requests, args.sizes, args.budget, args.repeats = 4, [8, 64], "8MiB", 1
         lengths, batch, context, gen = {"prompts": (8, 80), "outputs": (2, 6)}, 2, 32, 3
     probe = LLM("smollm2", dtype=args.dtype, num_kv_blocks=64)
     tok = probe.get_tokenizer()
@@ -113,9 +114,14 @@ def main(argv: list[str] | None = None) -> None:
         blocks = budget // (bytes_per_token * bs)
         llm = LLM("smollm2", dtype=args.dtype, block_size=bs, num_kv_blocks=blocks,
                   max_model_len=max(longest, context + gen))  # fmt: skip
-        r = {"block_size": bs, "blocks": blocks} | run(llm, work)
+        runs = []
+        for _ in range(args.repeats):  # the machine is noisy: the best run counts
+            llm.reset_prefix_cache()  # (each run starts cold)
+            runs.append(run(llm, work))
+        r = {"block_size": bs, "blocks": blocks, "runs_tok_s": [x["tok_s"] for x in runs]}
+        r |= max(runs, key=lambda x: x["tok_s"])
         llm.reset_prefix_cache()
-        r["decode_ms"] = decode_ms(llm, corpus[:context], batch, gen)
+        r["decode_ms"] = decode_ms(llm, corpus[:context], batch, gen, args.repeats)
         r["linear_bound_tok_s"] = decode_bound(llm.llm_engine.runner.model, r["mean_running"])
         rows.append(r)
         print(f"block {bs:>3}: waste {r['waste']:.1%}, hits {r['prefix_hit_rate']:.1%}, running "
@@ -164,7 +170,12 @@ def main(argv: list[str] | None = None) -> None:
 
     save_plot("block_size", draw)
     if recording(args):
-        body = f"Plot `benchmarks/results/block_size.png`.\n\n{table}"
+        body = (f"Plot `benchmarks/results/block_size.png`.\n\n{table}\n\nWhy ours differ from the seed's: its "
+                "rule and its 64-256 range are for GPU kernels, where a block is a unit of a thread block's work "
+                "and small blocks cost gathers and table entries; on this CPU a decode step is no faster with "
+                "larger blocks (between runs the same size moves more than between sizes), so inside one budget "
+                "the sizes that waste least and share most (8-32) run the most requests. Runs per size: "
+                f"{args.repeats}, the best counts (all in the JSON).")  # fmt: skip
         append_results("Block size (benchmarks/block_size.py)", body, "torch", key="block_size")
 
 

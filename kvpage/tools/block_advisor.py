@@ -14,11 +14,11 @@ For one length L the optimum is near sqrt(2 x block_cost x L) (waste ~ bs/2 per 
 block_cost x L/bs), where the seed's rule says L/4.
 
 BLOCK_COST is 0 because that is what benchmarks/block_size.py measures on the CPUs here: from 8 to
-256 tokens per block, a decode step got no faster as blocks grew (46.8 ms at 8, 74.8 at 64, 79.7 at
-256 for 16 x 512 tokens) and one KV budget's throughput was best at 16 (RESULTS.md). So within the
-range the advice is the least memory (waste and unshared prefix); the range itself stands for the
-GPU kernels the seeds are about, where a block is a unit of a thread block's work. Leave it with
---min-block-size (on a CPU, 16 measured best) and give a per-block cost with --block-cost.
+256 tokens per block a decode step got no faster as blocks grew (in two runs, 47-57 ms at 8 against
+47-75 at 64 and 80-85 at 256, 16 x 512 tokens), and one KV budget's throughput was best at 16 and
+at 32 (RESULTS.md). So within the range the advice is the least memory (waste and unshared prefix);
+the range itself stands for the GPU kernels the seeds are about, where a block is a unit of a
+thread block's work. Leave it with --min-block-size and give a per-block cost with --block-cost.
 """
 
 from __future__ import annotations
