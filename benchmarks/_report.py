@@ -85,8 +85,10 @@ def versions(*modules: str) -> str:
             pass
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=ROOT).stdout.strip()  # fmt: skip
+        # (what the suite itself writes does not count: RESULTS.md, results/, the README's table)
+        outputs = [":(exclude,top)benchmarks/RESULTS.md", ":(exclude,top)benchmarks/results", ":(exclude,top)README.md"]
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)", *outputs],
+                               capture_output=True, text=True, cwd=ROOT).stdout.strip()  # fmt: skip
         parts.append(f"kvpage@{rev.stdout.strip()}" + ("+uncommitted changes" if dirty else ""))
     except OSError:
         pass
