@@ -37,6 +37,15 @@ def rows(results: Path) -> list[tuple[str, str, str, str]]:
         got = " / ".join(f"{by[c]['speedup']:.1f}x at {c:,}" for c in sorted(by))
         out.append(("KV cache against recomputing without one, decode time per token", "4.8x at 512, 15x at 2,048 "
                     "(A100)", got, "cache_vs_nocache"))  # fmt: skip
+        by_n: dict[int, list[float]] = {}
+        for r in d.get("short", []):
+            by_n.setdefault(r["tokens"], []).append(r["no_cache_s"] / r["paged_s"])
+        if by_n:
+            got = "; ".join(
+                f"{n} token{'s' if n > 1 else ''}: {min(v):.2f}-{max(v):.2f}x" for n, v in sorted(by_n.items())
+            )
+            out.append(("Short outputs, whole requests (no cache / paged time)", "under 512 tokens no cache may be "
+                        "simpler and as efficient", got, "cache_vs_nocache"))  # fmt: skip
     d = _load(results, "paged_vs_static")
     if d:
         p = d["part1"]
