@@ -3,7 +3,7 @@
 Output goes to benchmarks/results/ (committed: the README links its plots), or to $KVPAGE_BENCH_OUT
 (tests point it at a temporary folder). Every script of the suite takes the same three flags
 (`suite_args`): --quick (a few minutes for the whole suite), --smoke (seconds: what the tests run,
-never recorded) and --no-results.
+never recorded) and --no-results (both write under results/unrecorded/).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ RESULTS = ROOT / "RESULTS.md"
 
 
 def out_dir() -> Path:
-    """$KVPAGE_BENCH_OUT, else benchmarks/results/ (benchmarks/results/smoke/ for a --smoke run)."""
-    default = ROOT / "results" / "smoke" if _SMOKE else ROOT / "results"
+    """$KVPAGE_BENCH_OUT, else benchmarks/results/ (benchmarks/results/unrecorded/ for a run that records
+    nothing: --smoke or --no-results, so the JSON and plots beside RESULTS.md stay the recorded ones)."""
+    default = ROOT / "results" / "unrecorded" if _UNRECORDED else ROOT / "results"
     path = Path(os.environ.get("KVPAGE_BENCH_OUT") or default)
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -35,14 +36,14 @@ def suite_args(ap) -> None:
 
 
 _INVOKED: list[str] = []  # the script and arguments of the run in progress (see parse)
-_SMOKE = False  # a --smoke run in progress: its output never lands where the README links
+_UNRECORDED = False  # a --smoke / --no-results run in progress: its output never lands where the README links
 
 
 def parse(ap, argv: list[str] | None, script: str):
     """ap.parse_args(argv), remembering the command line for the records (argv None: sys.argv)."""
-    global _SMOKE
+    global _UNRECORDED
     args = ap.parse_args(argv)
-    _SMOKE = bool(getattr(args, "smoke", False))
+    _UNRECORDED = bool(getattr(args, "smoke", False) or getattr(args, "no_results", False))
     _INVOKED[:] = [Path(script).name, *(sys.argv[1:] if argv is None else argv)]
     return args
 
