@@ -27,7 +27,7 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check kvpage tests benchmarks
 
 # The seed documents' claims re-measured (benchmarks/results/, RESULTS.md, the README's headline table).
-# `make bench QUICK=1`: a few minutes in all. `make bench SUITE=sharing`: one of them.
+# About 30 minutes on 2 cores; `make bench QUICK=1` about 9. `make bench SUITE=sharing`: one of them.
 SUITE ?= all
 bench: $(STAMP)
 	$(VENV)/bin/kvpage bench --suite $(SUITE) $(if $(QUICK),--quick)
