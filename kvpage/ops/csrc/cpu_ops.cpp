@@ -220,6 +220,124 @@ inline void block_accumulate(float* acc, int64_t G, int64_t D, const float* v, i
     }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+// --- AVX-512: 16 floats per register; the K/V rows of a block are read straight from the cache ---
+#define KVPAGE_AVX512 1
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bfloat16 -> float32: a 16-bit shift
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+// The four sums of a0..a3, times `scale`, into out[0..4).
+inline void store_sums4(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float scale, float* out) {
+  auto half = [](__m512 a) { return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)); };
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half(a0), half(a1)), _mm256_hadd_ps(half(a2), half(a3)));
+  const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  _mm_storeu_ps(out, _mm_mul_ps(r, _mm_set1_ps(scale)));
+}
+
+// sc[g * ldsc + t] = scale * q_g . k_t over G heads and cnt keys: float rows, D % 16 == 0.
+inline void scores512(const float* q, int64_t G, int64_t D, const float* k, int64_t cnt, float* sc, int64_t ldsc,
+                      float scale) {
+  int64_t t = 0;
+  for (; t + 4 <= cnt; t += 4) {
+    const float* k0 = k + t * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t c = 0; c < D; c += 16) {
+        const __m512 qv = _mm512_loadu_ps(qg + c);
+        a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + c), a0);
+        a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + D + c), a1);
+        a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + 2 * D + c), a2);
+        a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + 3 * D + c), a3);
+      }
+      store_sums4(a0, a1, a2, a3, scale, sc + g * ldsc + t);
+    }
+  }
+  for (; t < cnt; ++t)
+    for (int64_t g = 0; g < G; ++g) sc[g * ldsc + t] = scale * dot(q + g * D, k + t * D, D);
+}
+
+#if defined(__AVX512BF16__)
+// The same for bfloat16 q and keys, D % 32 == 0: VDPBF16PS multiplies bf16 pairs exactly and adds in float32.
+inline void scores_bf16(const c10::BFloat16* q, int64_t G, int64_t D, const c10::BFloat16* k, int64_t cnt, float* sc,
+                        int64_t ldsc, float scale) {
+  auto ld = [](const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
+  int64_t t = 0;
+  for (; t + 4 <= cnt; t += 4) {
+    const c10::BFloat16* k0 = k + t * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const c10::BFloat16* qg = q + g * D;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t c = 0; c < D; c += 32) {
+        const __m512bh qv = ld(qg + c);
+        a0 = _mm512_dpbf16_ps(a0, qv, ld(k0 + c));
+        a1 = _mm512_dpbf16_ps(a1, qv, ld(k0 + D + c));
+        a2 = _mm512_dpbf16_ps(a2, qv, ld(k0 + 2 * D + c));
+        a3 = _mm512_dpbf16_ps(a3, qv, ld(k0 + 3 * D + c));
+      }
+      store_sums4(a0, a1, a2, a3, scale, sc + g * ldsc + t);
+    }
+  }
+  for (; t < cnt; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t c = 0; c < D; c += 32) a = _mm512_dpbf16_ps(a, ld(q + g * D + c), ld(k + t * D + c));
+      sc[g * ldsc + t] = scale * _mm512_reduce_add_ps(a);
+    }
+}
+#endif
+
+// acc_g += sum_t p[g * ldp + t] * v_t for GN heads (NC = D / 16 registers a row): the accumulators stay in
+// registers over the block and each value row is loaded (and widened) once for all GN heads.
+template <int NC, int GN, typename C>
+inline void accumulate512_heads(float* acc, int64_t D, const C* v, int64_t cnt, const float* p, int64_t ldp) {
+  __m512 a[GN * NC];
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < NC; ++c) a[g * NC + c] = _mm512_loadu_ps(acc + g * D + 16 * c);
+  for (int64_t t = 0; t < cnt; ++t) {
+    __m512 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = load16(v + t * D + 16 * c);
+    for (int g = 0; g < GN; ++g) {
+      const __m512 pv = _mm512_set1_ps(p[g * ldp + t]);
+      for (int c = 0; c < NC; ++c) a[g * NC + c] = _mm512_fmadd_ps(pv, vv[c], a[g * NC + c]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, a[g * NC + c]);
+}
+
+// All G heads, in passes of at most 16 accumulators. D must be 32, 64 or 128.
+template <int NC, typename C>
+inline void accumulate512_nc(float* acc, int64_t G, int64_t D, const C* v, int64_t cnt, const float* p, int64_t ldp) {
+  constexpr int MAXG = 16 / NC;
+  for (int64_t g0 = 0; g0 < G; g0 += MAXG) {
+    float* ag = acc + g0 * D;
+    const float* pg = p + g0 * ldp;
+    switch (std::min<int64_t>(MAXG, G - g0)) {
+      case 8: if constexpr (MAXG >= 8) { accumulate512_heads<NC, 8>(ag, D, v, cnt, pg, ldp); break; } [[fallthrough]];
+      case 7: if constexpr (MAXG >= 7) { accumulate512_heads<NC, 7>(ag, D, v, cnt, pg, ldp); break; } [[fallthrough]];
+      case 6: if constexpr (MAXG >= 6) { accumulate512_heads<NC, 6>(ag, D, v, cnt, pg, ldp); break; } [[fallthrough]];
+      case 5: if constexpr (MAXG >= 5) { accumulate512_heads<NC, 5>(ag, D, v, cnt, pg, ldp); break; } [[fallthrough]];
+      case 4: if constexpr (MAXG >= 4) { accumulate512_heads<NC, 4>(ag, D, v, cnt, pg, ldp); break; } [[fallthrough]];
+      case 3: if constexpr (MAXG >= 3) { accumulate512_heads<NC, 3>(ag, D, v, cnt, pg, ldp); break; } [[fallthrough]];
+      case 2: if constexpr (MAXG >= 2) { accumulate512_heads<NC, 2>(ag, D, v, cnt, pg, ldp); break; } [[fallthrough]];
+      default: accumulate512_heads<NC, 1>(ag, D, v, cnt, pg, ldp);
+    }
+  }
+}
+
+template <typename C>
+inline void accumulate512(float* acc, int64_t G, int64_t D, const C* v, int64_t cnt, const float* p, int64_t ldp) {
+  if (D == 32) accumulate512_nc<2>(acc, G, D, v, cnt, p, ldp);
+  else if (D == 64) accumulate512_nc<4>(acc, G, D, v, cnt, p, ldp);
+  else accumulate512_nc<8>(acc, G, D, v, cnt, p, ldp);
+}
+#endif
+
 // T: the dtype of q and out; C: the cache's (T itself, or int8 with a float scale per token and kv head
 // in ks / vs, [blocks, kv_heads, block_size]).
 template <typename T, typename C = T>
@@ -236,6 +354,16 @@ void decode_impl(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& v
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   const int64_t bts = bt.stride(0), num_blocks = kc.size(0);
   const float fscale = static_cast<float>(scale);
+#if defined(KVPAGE_AVX512)
+  // K/V read in place (bf16 rows widened in registers), whole blocks of 16-float vectors
+  const bool wide = D == 32 || D == 64 || D == 128;
+#if defined(__AVX512BF16__)
+  constexpr bool bf16_dots = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>;
+#else
+  constexpr bool bf16_dots = false;
+#endif
+#endif
+  const int64_t ahead = std::max<int64_t>(2, 8192 / std::max<int64_t>(1, BS * D * static_cast<int64_t>(sizeof(C))));
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
     // kf/vf: one block of K/V in float32 (bfloat16 and int8 caches are widened once per block)
     std::vector<float> qf(G * D), acc(G * D), m(G), l(G), sc(G * BS), kf, vf;
@@ -253,6 +381,60 @@ void decode_impl(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& v
         const int64_t blk = btp[s * bts + j], cnt = std::min(BS, n - j * BS);
         TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id ", blk, " out of range");
         const int64_t base = (blk * KVH + h) * BS * D;
+#if defined(__AVX2__)
+        // the blocks ahead sit anywhere in the pool: ask for their K/V now, about 8 KiB of K ahead, while
+        // this one is computed (the hardware prefetcher cannot guess a block table)
+        for (int64_t jn = j == 0 ? 1 : j + ahead; jn <= j + ahead && jn * BS < n; ++jn) {
+          const int64_t nblk = btp[s * bts + jn];
+          if (nblk >= 0 && nblk < num_blocks) {
+            const char* nk = reinterpret_cast<const char*>(kp + (nblk * KVH + h) * BS * D);
+            const char* nv = reinterpret_cast<const char*>(vp + (nblk * KVH + h) * BS * D);
+            const int64_t bytes = std::min(BS, n - jn * BS) * D * static_cast<int64_t>(sizeof(C));
+            for (int64_t off = 0; off < bytes; off += 64) {
+              _mm_prefetch(nk + off, _MM_HINT_T0);
+              _mm_prefetch(nv + off, _MM_HINT_T0);
+            }
+          }
+        }
+#endif
+#if defined(KVPAGE_AVX512)
+        if (wide) {
+          // scores with the scale applied after the dot (q unscaled: bf16 dots need q's own values)
+          const C* vrow = vp + base;
+          if constexpr (bf16_dots) {
+            scores_bf16(qp + s * qs0 + h * G * qs1, G, D, kp + base, cnt, sc.data(), BS, fscale);
+          } else if constexpr (std::is_same_v<C, float>) {
+            scores512(qf.data(), G, D, kp + base, cnt, sc.data(), BS, 1.f);
+          } else if constexpr (std::is_same_v<C, int8_t>) {
+            const int64_t sbase = (blk * KVH + h) * BS;
+            widen_int8(kp + base, ksp + sbase, kf.data(), cnt, D);
+            widen_int8(vp + base, vsp + sbase, vf.data(), cnt, D);
+            scores512(qf.data(), G, D, kf.data(), cnt, sc.data(), BS, 1.f);
+          } else {
+            to_float(kp + base, kf.data(), cnt * D);
+            scores512(qf.data(), G, D, kf.data(), cnt, sc.data(), BS, 1.f);
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            float* sg = sc.data() + g * BS;
+            float bm = m[g];
+            for (int64_t t = 0; t < cnt; ++t) bm = std::max(bm, sg[t]);
+            const float corr = std::exp(m[g] - bm);
+            const float sum = exp_shifted(sg, cnt, bm);
+            l[g] = l[g] * corr + sum;
+            m[g] = bm;
+            if (corr != 1.f) {
+              float* ag = acc.data() + g * D;
+              for (int64_t i = 0; i < D; ++i) ag[i] *= corr;
+            }
+          }
+          if constexpr (std::is_same_v<C, int8_t>) {
+            accumulate512(acc.data(), G, D, vf.data(), cnt, sc.data(), BS);
+          } else {
+            accumulate512(acc.data(), G, D, vrow, cnt, sc.data(), BS);
+          }
+          continue;
+        }
+#endif
         const float *kb, *vb;
         if constexpr (std::is_same_v<C, float>) {
           kb = kp + base, vb = vp + base;
