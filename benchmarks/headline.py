@@ -91,9 +91,12 @@ def rows(results: Path) -> list[tuple[str, str, str, str]]:
     if d:
         dec = [r for r in d["rows"] if r["kind"] == "decode"]
         if dec:
-            big = max(dec, key=lambda r: r["batch"])
-            out.append((f"The machine's limit: forward pass / linear layers alone, decode batch {big['batch']}",
-                        "", f"{big['ratio']:.2f} ({big['dtype']}, {big['backend']})", "forward_pass"))  # fmt: skip
+            batch = max(r["batch"] for r in dec)
+            backend = "cpu" if any(r["backend"] == "cpu" for r in dec) else dec[0]["backend"]
+            got = " / ".join(f"{r['ratio']:.2f} ({r['dtype']})" for r in dec if r["batch"] == batch and
+                             r["backend"] == backend)  # fmt: skip
+            out.append((f"The machine's limit: forward pass / linear layers alone, decode batch {batch}", "",
+                        f"{got}, {backend} backend", "forward_pass"))  # fmt: skip
     return out
 
 
