@@ -220,6 +220,24 @@ inline void block_accumulate(float* acc, int64_t G, int64_t D, const float* v, i
     }
 }
 
+// One block of the online softmax for G heads: sc[g * ldsc + t] (scores) become exp(score - new max);
+// the running max m, sum l and accumulator acc (G x D) are rescaled to the new max.
+inline void online_softmax_step(float* sc, int64_t ldsc, int64_t G, int64_t cnt, float* m, float* l, float* acc,
+                                int64_t D) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = sc + g * ldsc;
+    float bm = m[g];
+    for (int64_t t = 0; t < cnt; ++t) bm = std::max(bm, sg[t]);
+    const float corr = std::exp(m[g] - bm);  // exp(-inf) = 0 on the first block
+    l[g] = l[g] * corr + exp_shifted(sg, cnt, bm);
+    m[g] = bm;
+    if (corr != 1.f) {
+      float* ag = acc + g * D;
+      for (int64_t i = 0; i < D; ++i) ag[i] *= corr;
+    }
+  }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 // --- AVX-512: 16 floats per register; the K/V rows of a block are read straight from the cache ---
 #define KVPAGE_AVX512 1
@@ -414,19 +432,7 @@ void decode_impl(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& v
             to_float(kp + base, kf.data(), cnt * D);
             scores512(qf.data(), G, D, kf.data(), cnt, sc.data(), BS, 1.f);
           }
-          for (int64_t g = 0; g < G; ++g) {
-            float* sg = sc.data() + g * BS;
-            float bm = m[g];
-            for (int64_t t = 0; t < cnt; ++t) bm = std::max(bm, sg[t]);
-            const float corr = std::exp(m[g] - bm);
-            const float sum = exp_shifted(sg, cnt, bm);
-            l[g] = l[g] * corr + sum;
-            m[g] = bm;
-            if (corr != 1.f) {
-              float* ag = acc.data() + g * D;
-              for (int64_t i = 0; i < D; ++i) ag[i] *= corr;
-            }
-          }
+          online_softmax_step(sc.data(), BS, G, cnt, m.data(), l.data(), acc.data(), D);
           if constexpr (std::is_same_v<C, int8_t>) {
             accumulate512(acc.data(), G, D, vf.data(), cnt, sc.data(), BS);
           } else {
@@ -449,19 +455,7 @@ void decode_impl(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& v
           kb = kf.data(), vb = vf.data();
         }
         block_scores(qf.data(), G, D, kb, cnt, sc.data(), BS);
-        for (int64_t g = 0; g < G; ++g) {
-          float* sg = sc.data() + g * BS;
-          float bm = m[g];
-          for (int64_t t = 0; t < cnt; ++t) bm = std::max(bm, sg[t]);
-          const float corr = std::exp(m[g] - bm);  // exp(-inf) = 0 on the first block
-          const float sum = exp_shifted(sg, cnt, bm);
-          l[g] = l[g] * corr + sum;
-          m[g] = bm;
-          if (corr != 1.f) {
-            float* ag = acc.data() + g * D;
-            for (int64_t i = 0; i < D; ++i) ag[i] *= corr;
-          }
-        }
+        online_softmax_step(sc.data(), BS, G, cnt, m.data(), l.data(), acc.data(), D);
         block_accumulate(acc.data(), G, D, vb, cnt, sc.data(), BS);
       }
       for (int64_t g = 0; g < G; ++g) {
