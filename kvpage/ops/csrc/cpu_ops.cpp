@@ -356,6 +356,16 @@ inline void accumulate512(float* acc, int64_t G, int64_t D, const C* v, int64_t 
 }
 #endif
 
+// Whether decode_impl dots bfloat16 keys as they are (AVX512_BF16), unwidened, against the unscaled q.
+template <typename T, typename C>
+constexpr bool bf16_dots() {
+#if defined(KVPAGE_AVX512) && defined(__AVX512BF16__)
+  return std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>;
+#else
+  return false;
+#endif
+}
+
 // T: the dtype of q and out; C: the cache's (T itself, or int8 with a float scale per token and kv head
 // in ks / vs, [blocks, kv_heads, block_size]).
 template <typename T, typename C = T>
@@ -373,14 +383,12 @@ void decode_impl(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& v
   const int64_t bts = bt.stride(0), num_blocks = kc.size(0);
   const float fscale = static_cast<float>(scale);
 #if defined(KVPAGE_AVX512)
-  // K/V read in place (bf16 rows widened in registers), whole blocks of 16-float vectors
+  // whole rows of 16-float vectors: the AVX-512 loops, which read bfloat16 blocks without widening them first
   const bool wide = D == 32 || D == 64 || D == 128;
-#if defined(__AVX512BF16__)
-  constexpr bool bf16_dots = std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>;
 #else
-  constexpr bool bf16_dots = false;
+  constexpr bool wide = false;
 #endif
-#endif
+  constexpr bool dots = bf16_dots<T, C>();
   const int64_t ahead = std::max<int64_t>(2, 8192 / std::max<int64_t>(1, BS * D * static_cast<int64_t>(sizeof(C))));
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
     // kf/vf: one block of K/V in float32 (bfloat16 and int8 caches are widened once per block)
@@ -415,33 +423,9 @@ void decode_impl(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& v
           }
         }
 #endif
-#if defined(KVPAGE_AVX512)
-        if (wide) {
-          // scores with the scale applied after the dot (q unscaled: bf16 dots need q's own values)
-          const C* vrow = vp + base;
-          if constexpr (bf16_dots) {
-            scores_bf16(qp + s * qs0 + h * G * qs1, G, D, kp + base, cnt, sc.data(), BS, fscale);
-          } else if constexpr (std::is_same_v<C, float>) {
-            scores512(qf.data(), G, D, kp + base, cnt, sc.data(), BS, 1.f);
-          } else if constexpr (std::is_same_v<C, int8_t>) {
-            const int64_t sbase = (blk * KVH + h) * BS;
-            widen_int8(kp + base, ksp + sbase, kf.data(), cnt, D);
-            widen_int8(vp + base, vsp + sbase, vf.data(), cnt, D);
-            scores512(qf.data(), G, D, kf.data(), cnt, sc.data(), BS, 1.f);
-          } else {
-            to_float(kp + base, kf.data(), cnt * D);
-            scores512(qf.data(), G, D, kf.data(), cnt, sc.data(), BS, 1.f);
-          }
-          online_softmax_step(sc.data(), BS, G, cnt, m.data(), l.data(), acc.data(), D);
-          if constexpr (std::is_same_v<C, int8_t>) {
-            accumulate512(acc.data(), G, D, vf.data(), cnt, sc.data(), BS);
-          } else {
-            accumulate512(acc.data(), G, D, vrow, cnt, sc.data(), BS);
-          }
-          continue;
-        }
-#endif
-        const float *kb, *vb;
+        // K and V as float rows: in place for a float cache, else widened once per block into kf / vf; on the
+        // AVX-512 path a bfloat16 block's values are widened in registers and its keys, with AVX512_BF16, not at all
+        const float *kb = nullptr, *vb = nullptr;
         if constexpr (std::is_same_v<C, float>) {
           kb = kp + base, vb = vp + base;
         } else if constexpr (std::is_same_v<C, int8_t>) {
@@ -450,13 +434,30 @@ void decode_impl(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& v
           widen_int8(vp + base, vsp + sbase, vf.data(), cnt, D);
           kb = kf.data(), vb = vf.data();
         } else {
-          to_float(kp + base, kf.data(), cnt * D);
-          to_float(vp + base, vf.data(), cnt * D);
-          kb = kf.data(), vb = vf.data();
+          if (!(dots && wide)) to_float(kp + base, kf.data(), cnt * D), kb = kf.data();
+          if (!wide) to_float(vp + base, vf.data(), cnt * D), vb = vf.data();
         }
-        block_scores(qf.data(), G, D, kb, cnt, sc.data(), BS);
+#if defined(KVPAGE_AVX512)
+        if (wide) {
+#if defined(__AVX512BF16__)
+          if constexpr (dots)  // q's own bfloat16 values, the scale after the dot
+            scores_bf16(qp + s * qs0 + h * G * qs1, G, D, kp + base, cnt, sc.data(), BS, fscale);
+          else
+#endif
+            scores512(qf.data(), G, D, kb, cnt, sc.data(), BS, 1.f);  // (qf is scaled)
+        } else
+#endif
+          block_scores(qf.data(), G, D, kb, cnt, sc.data(), BS);
         online_softmax_step(sc.data(), BS, G, cnt, m.data(), l.data(), acc.data(), D);
-        block_accumulate(acc.data(), G, D, vb, cnt, sc.data(), BS);
+#if defined(KVPAGE_AVX512)
+        if (wide) {
+          if constexpr (std::is_same_v<C, c10::BFloat16>)
+            accumulate512(acc.data(), G, D, vp + base, cnt, sc.data(), BS);  // widened in registers
+          else
+            accumulate512(acc.data(), G, D, vb, cnt, sc.data(), BS);
+        } else
+#endif
+          block_accumulate(acc.data(), G, D, vb, cnt, sc.data(), BS);
       }
       for (int64_t g = 0; g < G; ++g) {
         const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
