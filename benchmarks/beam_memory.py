@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 
+from _drive import drive
 from _report import append_results, parse, recording, save_plot, suite_args, write_json
 
 from kvpage import LLM, BeamSearchParams, SamplingParams
@@ -28,20 +29,19 @@ SEED = {("beam", 4): "62.5%", ("beam", 8): "71.9%"}
 
 
 def measure(llm: LLM, mode: str, width: int, prompt: list[int], max_tokens: int) -> dict:
-    engine, bs = llm.llm_engine, llm.llm_engine.config.block_size
+    bs = llm.llm_engine.config.block_size
     if mode == "beam":
         params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=True)
     else:
         params = SamplingParams(n=width, temperature=0.8, seed=width, max_tokens=max_tokens, ignore_eos=True)
-    engine.add_request(f"{mode}{width}-{len(prompt)}", prompt, params)
     samples = []
-    while engine.has_unfinished_requests():
-        engine.step()
+
+    def look():
         st = llm.cache_stats()
         if st.logical_blocks:
             samples.append((st.used_blocks * bs, st.logical_blocks * bs))
-    engine.kv_manager.check_invariants()
-    assert llm.cache_stats().used_blocks == 0, "a request leaked blocks"
+
+    drive(llm, [(prompt, params)], look)
     contiguous = width * (len(prompt) + max_tokens)  # slots, the whole request long
     used, logical = max(samples)
     return {"mode": mode, "width": width, "prompt_tokens": len(prompt), "max_tokens": max_tokens,

@@ -22,6 +22,7 @@ import random
 import time
 
 from _bound import decode_bound
+from _drive import drive, output_tokens
 from _report import append_results, parse, recording, save_plot, suite_args, write_json
 from sharing import SYSTEM
 
@@ -43,22 +44,19 @@ def workload(corpus: list[int], system: list[int], n: int, seed: int, prompts=(3
 
 
 def run(llm: LLM, work) -> dict:
-    engine, sched = llm.llm_engine, llm.llm_engine.scheduler
-    for i, (p, o) in enumerate(work):
-        engine.add_request(f"bs-{i}", p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True))
-    waste, running, entries, out_tokens = [], [], [], 0
-    t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        out_tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    sched = llm.llm_engine.scheduler
+    waste, running, entries = [], [], []
+
+    def look():
         st = llm.cache_stats()
         if st.allocated_slots:
             waste.append(st.waste)
             running.append(sched.num_running_seqs())
             entries.append(st.logical_blocks)
-    seconds = time.perf_counter() - t0
-    engine.kv_manager.check_invariants()
-    st = llm.cache_stats()
-    assert st.used_blocks == 0, "a request leaked blocks"
+
+    requests = [(p, SamplingParams(temperature=0, max_tokens=o, ignore_eos=True)) for p, o in work]
+    outs, seconds = drive(llm, requests, look)
+    out_tokens, st = output_tokens(outs), llm.cache_stats()
     return {"seconds": seconds, "output_tokens": out_tokens, "tok_s": out_tokens / seconds,
             "waste": sum(waste) / len(waste), "prefix_hit_rate": st.prefix_hit_rate,
             "mean_running": sum(running) / len(running), "table_entries": sum(entries) / len(entries),

@@ -18,9 +18,9 @@ sharing saves a further 50-70%.
 from __future__ import annotations
 
 import argparse
-import time
 
 from _bound import decode_bound
+from _drive import drive, output_tokens
 from _report import append_results, parse, recording, save_plot, suite_args, write_json
 
 from kvpage import LLM, SamplingParams
@@ -35,18 +35,10 @@ def rows_for(budget_tokens: int) -> list[tuple[str, str | None]]:
 
 
 def in_budget(llm: LLM, work, policy) -> dict:
-    engine, sched = llm.llm_engine, llm.llm_engine.scheduler
-    for i, p in enumerate(work["prompts"]):
-        sp = SamplingParams(temperature=0, max_tokens=work["gen"], ignore_eos=True, kv_eviction=policy or "none")
-        engine.add_request(f"kvp-{i}", p, sp)
-    running, tokens = [], 0
-    t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        tokens += sum(len(o.outputs[0].token_ids) for o in engine.step() if o.finished)
-        running.append(sched.num_running_seqs())
-    seconds = time.perf_counter() - t0
-    engine.kv_manager.check_invariants()
-    assert llm.cache_stats().used_blocks == 0, "a request leaked blocks"
+    sched, running = llm.llm_engine.scheduler, []
+    sp = SamplingParams(temperature=0, max_tokens=work["gen"], ignore_eos=True, kv_eviction=policy or "none")
+    outs, seconds = drive(llm, [(p, sp) for p in work["prompts"]], lambda: running.append(sched.num_running_seqs()))
+    tokens = output_tokens(outs)
     return {"most_running": max(running), "mean_running": sum(running) / len(running), "tok_s": tokens / seconds,
             "preemptions": sched.num_preemptions}  # fmt: skip
 

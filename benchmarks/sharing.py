@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from _drive import drive
 from _report import append_results, parse, recording, save_plot, suite_args, write_json
 
 from kvpage import LLM, SamplingParams
@@ -73,16 +74,14 @@ def chat(llm: LLM, question: str) -> list[int]:
 
 def traced_run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[list, list]:
     """Run the requests to the end; (used blocks, logical blocks) after every step, and the outputs."""
-    engine, samples, outs = llm.llm_engine, [], []
-    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(f"share-{i}", p, sp)
-    while engine.has_unfinished_requests():
-        outs += [o for o in engine.step() if o.finished]
+    samples = []
+
+    def look():
         st = llm.cache_stats()
         if st.logical_blocks:
             samples.append((st.used_blocks, st.logical_blocks))
-    engine.kv_manager.check_invariants()
-    assert llm.cache_stats().used_blocks == 0, "a request leaked blocks"
+
+    outs, _ = drive(llm, list(zip(prompts, params, strict=True)), look)
     return samples, outs
 
 
@@ -119,9 +118,7 @@ def customer_service(llm: LLM, off: LLM, questions: int, gen: int, bs: int) -> d
     samples, outs = traced_run(llm, prompts, params)
     common = common_prefix(prompts)
     off_samples, off_outs = traced_run(off, prompts, params)
-    same = [o.outputs[0].token_ids for o in sorted(outs, key=lambda o: o.request_id)] == [
-        o.outputs[0].token_ids for o in sorted(off_outs, key=lambda o: o.request_id)
-    ]
+    same = [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in off_outs]
     return {"questions": questions, "gen": gen, "common_prefix_tokens": common,
             "prompt_tokens": [len(p) for p in prompts], "same_tokens_without_sharing": same,
             "without_sharing_peak_used": max(u for u, _ in off_samples),

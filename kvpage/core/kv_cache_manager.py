@@ -636,13 +636,9 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (and the CPU tier): later prompts start cold. Only when no sequence
         holds blocks; False, changing nothing, otherwise."""
-        if self._seqs or self.pool.prefix_cache is None:
-            return not self._seqs
-        if not self.pool.reset_prefix_cache():
+        if self._seqs or not self.pool.reset_prefix_cache():
             return False
-        if self.tier is not None:
-            self.tier.reset_prefix_cache()
-        return True
+        return self.tier is None or self.tier.reset_prefix_cache()
 
     def stats(self) -> CacheStats:
         pool, pc = self.pool, self.prefix_cache
