@@ -19,7 +19,7 @@ import gc
 import itertools
 import time
 
-from _report import append_results, write_json
+from _report import append_results, parse, write_json
 
 from kvpage.core import KVCacheManager
 
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=2000, help="operations timed per cell (default 2000)")
     ap.add_argument("--repeat", type=int, default=5, help="runs per cell; the best is reported (default 5)")
     ap.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
+    args = parse(ap, None, __file__)
     rows = []
     names = ["allocate", "append", "hit", "fork", "free"]
     header = "| pool blocks | live seqs | " + " | ".join(f"{n} (ops/s)" for n in names) + " |"

@@ -15,7 +15,7 @@ import argparse
 import statistics
 import time
 
-from _report import append_results, write_json
+from _report import append_results, parse, write_json
 
 from kvpage import LLM, SamplingParams
 from kvpage.tools.perplexity import english_corpus
@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cpu-offload-memory", default="512MiB")
     ap.add_argument("--no-results", action="store_true")
-    args = ap.parse_args()
+    args = parse(ap, None, __file__)
     text_ids = LLM("smollm2", num_kv_blocks=4, max_model_len=64).get_tokenizer().encode(english_corpus())
     n = args.prompt_len
     ids = [text_ids[i * n : (i + 1) * n] for i in range(3)]

@@ -23,7 +23,7 @@ import argparse
 import math
 import time
 
-from _report import append_results, write_json
+from _report import append_results, parse, write_json
 
 from kvpage import LLM, SamplingParams
 from kvpage.core.eviction import H2O, StreamingLLM
@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     ap.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
+    args = parse(ap, None, __file__)
     window = 1020
     if args.quick:
         args.context, args.long, args.prompt_tokens, args.gen, window = 1024, 2048, 512, 32, 124

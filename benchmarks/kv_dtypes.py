@@ -16,7 +16,7 @@ import argparse
 import random
 import time
 
-from _report import append_results, write_json
+from _report import append_results, parse, write_json
 
 from kvpage import LLM, SamplingParams
 from kvpage.tools.perplexity import corpus_digest, english_corpus, perplexity
@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64, help="generated tokens per prompt (default 64)")
     ap.add_argument("--batch", type=int, default=64, help="sequences in the speed run (default 64)")
     ap.add_argument("--no-results", action="store_true")
-    args = ap.parse_args()
+    args = parse(ap, None, __file__)
     text = english_corpus()
     rows, ref = [], None
     for kind in ("auto", "int8", "fp8"):

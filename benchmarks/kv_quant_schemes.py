@@ -18,7 +18,7 @@ import argparse
 import time
 
 import torch
-from _report import append_results, write_json
+from _report import append_results, parse, write_json
 
 import kvpage.attention.torch_ref as torch_ref
 from kvpage import LLM
@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--no-results", action="store_true")
-    args = ap.parse_args()
+    args = parse(ap, None, __file__)
     if args.window % BLOCK or args.chunk % BLOCK:
         raise SystemExit(f"--window and --chunk must be multiples of the block size {BLOCK}")
     llm = LLM("smollm2", dtype="float32", attention_backend="torch", block_size=BLOCK, enable_prefix_caching=False,

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from _report import append_results, write_json
+from _report import append_results, parse, write_json
 from serving import free_port, make_client, run_api, run_load, start_server, wait_healthy, workload
 
 ROOT = Path(__file__).resolve().parent
@@ -136,7 +136,7 @@ def main() -> int:
     ap.add_argument("--single-requests", type=int, default=4, help="requests at concurrency 1 (default 4)")
     ap.add_argument("--no-baselines", action="store_true", help="skip the Python API and transformers at c=1")
     ap.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
+    args = parse(ap, None, __file__)
     bindir = llama_binaries()
     info = (bindir.parent / "BUILD_INFO.txt").read_text().strip() if (bindir.parent / "BUILD_INFO.txt").exists() else ""
     prompt = long_prompt()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from _report import append_results, write_json
+from _report import append_results, parse, write_json
 
 from kvpage import LLM
 from kvpage.tools.perplexity import corpus_digest, english_corpus, perplexity
@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=1024, help="tokens per window (default 1024)")
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk, max_num_batched_tokens (default 512)")
     ap.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
+    args = parse(ap, None, __file__)
     text = english_corpus()
     rows = []
     tokens = None

@@ -24,7 +24,7 @@ import sys
 import time
 
 import httpx
-from _report import append_results, write_json
+from _report import append_results, parse, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "cache",
@@ -139,7 +139,7 @@ def main() -> int:
     ap.add_argument("--requests-per-client", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, nargs=2, default=[32, 128])
     ap.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
+    args = parse(ap, None, __file__)
     variants = args.variant or ["default"]
     rows, data = [], {}
     for c in args.concurrency:

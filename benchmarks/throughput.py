@@ -25,7 +25,7 @@ import random
 import time
 
 import torch
-from _report import append_results, write_json
+from _report import append_results, parse, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -126,7 +126,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="measure kvpage only")
     ap.add_argument("--hf-attn", nargs="+", default=["sdpa", "eager"], help="transformers attention implementations")
     ap.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
-    args = ap.parse_args()
+    args = parse(ap, None, __file__)
     if args.dtype == "auto":
         from kvpage.models import choose_dtype
 

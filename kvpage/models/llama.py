@@ -19,6 +19,7 @@ from torch import nn
 
 from kvpage.attention import AttentionBackend, AttentionMetadata, LayerKV, get_backend
 from kvpage.models.config import ModelConfig
+from kvpage.models.fused_decode import FusedDecode
 from kvpage.models.layer_ops import TorchLayerOps, rms_norm_ref
 
 
@@ -146,6 +147,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_weight = None  # set by weight_quant.quantize_model
+        self.fused_decode: FusedDecode | None = FusedDecode(self)  # None: always layer by layer
 
     def forward(
         self,
@@ -156,6 +158,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # hidden states [T, hidden]
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        if self.fused_decode is not None:
+            fused = self.fused_decode.run(x, cos, sin, kv_caches, meta)
+            if fused is not None:
+                return fused
         delta = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, delta = layer(x, delta, cos, sin, kv, meta)

@@ -1,6 +1,7 @@
 // kvpage's CPU kernels: paged decode attention that reads K/V in place through the block tables,
 // the K/V write into the paged cache, and the small per-layer ops fused (RMSNorm with the residual
-// add, RoPE on q and k in place, SiLU(gate) * up). float32 and bfloat16; arithmetic in float32.
+// add, RoPE on q and k in place, SiLU(gate) * up), the row and quantized linears, and all of a decode
+// step's layers in one call (decode_layers). float32 and bfloat16; arithmetic in float32.
 //
 // Registered as torch.ops.kvpage.* (no pybind: the extension is a plain shared library, loaded by
 // kvpage/ops/build.py). Work is split with at::parallel_for, i.e. torch's own thread pool.
@@ -11,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -1047,6 +1049,62 @@ Tensor linear_quant(Tensor x, Tensor q, Tensor scales, std::optional<Tensor> min
   return y;
 }
 
+// --- every layer of a decode step in one call ---------------------------------------------------
+// What kvpage/models/llama.py does per layer with KernelLayerOps and the CPU paged backend, op for op
+// and in the same order (so the result is bit-identical), for steps whose every sequence decodes one
+// token: at one to a few sequences the ~12 Python-side calls per layer cost ~15% of a step whose
+// weights the memory bus reads in ~17 ms. x [T, hidden] is the residual stream (updated in place);
+// returns the final norm of it. Per layer, `weights` holds 14 tensors: input norm, post-attention
+// norm, then (w, scales, mins) for qkv, o, gate_up and down: w the weight itself when bits == 0,
+// else the quantized q with its scales (and mins for 4 bits; empty tensors where unused).
+// kernel_linear: the row kernels (linear_rows / linear_quant) rather than torch's GEMM, the choice
+// KernelLayerOps.linear makes for this many rows. k_scales / v_scales: per layer for an int8 cache, else empty.
+
+constexpr int64_t PER_LAYER = 14;
+
+Tensor any_linear(const Tensor& x, const Tensor* w3, int64_t bits, const Tensor& bias, bool kernel) {
+  const std::optional<Tensor> b = bias.defined() ? std::optional<Tensor>(bias) : std::nullopt;
+  if (bits == 0) return kernel ? linear_rows(x, w3[0], b) : at::linear(x, w3[0], b);
+  const std::optional<Tensor> mins = bits == 4 ? std::optional<Tensor>(w3[2]) : std::nullopt;
+  if (kernel) return linear_quant(x.contiguous(), w3[0], w3[1], mins, bits, b ? std::optional<Tensor>(b->to(at::kFloat)) : std::nullopt);
+  const Tensor w = dequantize_weight(w3[0], w3[1], mins, bits).to(x.scalar_type());
+  return at::linear(x, w, b ? std::optional<Tensor>(b->to(x.scalar_type())) : std::nullopt);
+}
+
+Tensor decode_layers(Tensor x, Tensor cos, Tensor sin, at::TensorList weights, int64_t bits, at::TensorList qkv_bias,
+                     at::TensorList k_caches, at::TensorList v_caches, at::TensorList k_scales, at::TensorList v_scales,
+                     Tensor block_tables, Tensor seq_lens, Tensor slot_mapping, Tensor final_norm, int64_t heads,
+                     int64_t kv_heads, int64_t head_dim, double eps, double scale, bool kernel_linear) {
+  const int64_t L = static_cast<int64_t>(k_caches.size()), T = x.size(0);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * PER_LAYER && static_cast<int64_t>(v_caches.size()) == L, "decode_layers: ", PER_LAYER, " weights and a K and V cache per layer");
+  TORCH_CHECK(qkv_bias.empty() || static_cast<int64_t>(qkv_bias.size()) == L, "decode_layers: a qkv bias per layer or none");
+  const bool int8 = !k_scales.empty();
+  TORCH_CHECK(!int8 || (static_cast<int64_t>(k_scales.size()) == L && static_cast<int64_t>(v_scales.size()) == L), "decode_layers: int8 scales per layer");
+  TORCH_CHECK(block_tables.size(0) == T && seq_lens.numel() == T, "decode_layers: one token per sequence");
+  const int64_t qs = heads * head_dim, kvs = kv_heads * head_dim;
+  Tensor delta;
+  for (int64_t l = 0; l < L; ++l) {
+    const Tensor* w = weights.data() + l * PER_LAYER;
+    Tensor h = l == 0 ? rms_norm(x, w[0], eps) : add_rms_norm(x, delta, w[0], eps);
+    Tensor qkv = any_linear(h, w + 2, bits, qkv_bias.empty() ? Tensor() : qkv_bias[l], kernel_linear);
+    rope_(qkv, cos, sin, heads + kv_heads, head_dim);
+    Tensor q = qkv.narrow(1, 0, qs).view({T, heads, head_dim});
+    Tensor k = qkv.narrow(1, qs, kvs).view({T, kv_heads, head_dim});
+    Tensor v = qkv.narrow(1, qs + kvs, kvs).view({T, kv_heads, head_dim});
+    Tensor o = at::empty({T, heads, head_dim}, q.options());
+    if (int8) {
+      write_kv_int8(k, v, k_caches[l], v_caches[l], k_scales[l], v_scales[l], slot_mapping);
+      paged_decode_attention_int8(o, q, k_caches[l], v_caches[l], k_scales[l], v_scales[l], block_tables, seq_lens, scale);
+    } else {
+      write_kv(k, v, k_caches[l], v_caches[l], slot_mapping);
+      paged_decode_attention(o, q, k_caches[l], v_caches[l], block_tables, seq_lens, scale);
+    }
+    h = add_rms_norm(x, any_linear(o.view({T, qs}), w + 5, bits, Tensor(), kernel_linear), w[1], eps);
+    delta = any_linear(silu_mul(any_linear(h, w + 8, bits, Tensor(), kernel_linear)), w + 11, bits, Tensor(), kernel_linear);
+  }
+  return add_rms_norm(x, delta, final_norm, eps);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvpage, m) {
@@ -1061,6 +1119,7 @@ TORCH_LIBRARY(kvpage, m) {
   m.def("linear_rows(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("linear_quant(Tensor x, Tensor q, Tensor scales, Tensor? mins, int bits, Tensor? bias) -> Tensor");
   m.def("dequantize_weight(Tensor q, Tensor scales, Tensor? mins, int bits) -> Tensor");
+  m.def("decode_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor[] weights, int bits, Tensor[] qkv_bias, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor(d!)[] k_scales, Tensor(e!)[] v_scales, Tensor block_tables, Tensor seq_lens, Tensor slot_mapping, Tensor final_norm, int heads, int kv_heads, int head_dim, float eps, float scale, bool kernel_linear) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvpage, CPU, m) {
@@ -1075,4 +1134,5 @@ TORCH_LIBRARY_IMPL(kvpage, CPU, m) {
   m.impl("linear_rows", &linear_rows);
   m.impl("linear_quant", &linear_quant);
   m.impl("dequantize_weight", &dequantize_weight);
+  m.impl("decode_layers", &decode_layers);
 }

@@ -1,0 +1,93 @@
+"""A decode step's layers in one compiled call (torch.ops.kvpage.decode_layers).
+
+At one to a few sequences a step is bound by reading the weights (~17 ms for SmolLM2's 270 MB of
+bfloat16 here), and the ~12 Python-side calls per layer (module calls, dispatch, views, the
+backend's checks) add ~15% to it. When every sequence of a step decodes one token, the model's
+layers use the CPU kernels for both their math and attention, and the cache is in the model's dtype
+or int8, `FusedDecode.run` hands the whole stack to C++, which calls the same kernels in the same
+order: the hidden states are bit-identical to the layer-by-layer path. Anything else (prefill
+chunks, H2O's attention mass, fp8 caches, the reference ops or backend) returns None and the model
+runs layer by layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpage.attention.cpu_paged import CpuPagedBackend
+from kvpage.attention.layer_kv import LayerKV
+from kvpage.attention.metadata import AttentionMetadata
+from kvpage.models.layer_ops import KernelLayerOps
+from kvpage.models.weight_quant import QuantizedWeight
+
+
+class FusedDecode:
+    def __init__(self, model) -> None:
+        self.model = model
+        self._weights: tuple | None = None  # (flat list, kind, qkv biases), () when the weights do not fit
+
+    @staticmethod
+    def applies_to(model) -> bool:
+        """Whether the model's layers could ever take this path (kernel ops and the CPU backend)."""
+        return isinstance(model.ops, KernelLayerOps) and all(
+            type(layer.self_attn.backend) is CpuPagedBackend for layer in model.layers
+        )
+
+    def run(self, x, cos, sin, kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor | None:
+        """The final-norm hidden states [T, hidden] of a pure decode step, or None if it does not apply."""
+        if meta.num_decodes != meta.num_seqs or meta.block_mass is not None or not self.applies_to(self.model):
+            return None
+        ops = self.model.ops
+        if x.dtype not in ops.policy.plain:
+            return None
+        weights = self._layer_weights()
+        caches = _cache_lists(kv_caches, x.dtype)
+        if weights is None or caches is None:
+            return None
+        flat, kind, bias = weights
+        if isinstance(kind, tuple) and kind[1] != x.dtype:  # plain weights of another dtype: torch's path
+            return None
+        bits = 0 if isinstance(kind, tuple) else kind
+        rows = x.shape[0]
+        limit = (ops.policy.quantized if bits else ops.policy.plain)[x.dtype]
+        cfg, attn = self.model.config, self.model.layers[0].self_attn
+        return torch.ops.kvpage.decode_layers(
+            x, cos, sin, flat, bits, bias, *caches, meta.block_tables, meta.seq_lens, meta.slot_mapping,
+            self.model.norm.weight, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, attn.scale,
+            0 < rows <= limit,
+        )  # fmt: skip
+
+    def _layer_weights(self):
+        """Per layer: the two norms, then (weight, scales, mins) of qkv, o, gate_up, down; built once."""
+        if self._weights is None:
+            flat, kinds, bias = [], set(), []
+            none = torch.empty(0)
+            for layer in self.model.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                flat += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+                for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                    w = lin.weight
+                    if isinstance(w, QuantizedWeight):
+                        flat += [w.q, w.scales, none if w.mins is None else w.mins]
+                        kinds.add(w.bits)
+                    else:
+                        flat += [w, none, none]
+                        kinds.add((0, w.dtype))
+                if attn.qkv_proj.bias is not None:
+                    bias.append(attn.qkv_proj.bias)
+            ok = len(kinds) == 1 and len(bias) in (0, len(self.model.layers))
+            kind = kinds.pop() if ok else None
+            self._weights = (flat, kind, bias) if ok else ()
+        return self._weights or None
+
+
+def _cache_lists(kv_caches: list[LayerKV], dtype: torch.dtype):
+    """(k caches, v caches, k scales, v scales) as the kernels take them, or None for other caches."""
+    first = kv_caches[0]
+    kind, kdtype = first.kind, first.k.dtype
+    if any(kv.kind != kind or kv.k.dtype != kdtype for kv in kv_caches):
+        return None
+    ks, vs = [kv.k for kv in kv_caches], [kv.v for kv in kv_caches]
+    if kind == "int8":
+        return ks, vs, [kv.k_scale for kv in kv_caches], [kv.v_scale for kv in kv_caches]
+    return (ks, vs, [], []) if not first.quantized and kdtype == dtype else None
