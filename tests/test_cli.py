@@ -148,3 +148,17 @@ def test_demo_answers_and_reports_the_cache():
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("\nQ: ") == 6 and "prefix cache" in r.stdout and "pre-allocated to max_model_len" in r.stdout
     assert "after the run: 0 blocks used" in r.stdout
+
+
+def test_the_server_loads_its_model_in_a_thread_that_then_exits():
+    """`kvpage serve` loads off the main thread (so the engine thread's OpenMP pool is the only one):
+    the value comes back, an error is raised in the caller, and the loading thread is gone after."""
+    import threading
+
+    from kvpage.cli import _in_passing_thread
+
+    seen = []
+    assert _in_passing_thread(lambda: seen.append(threading.current_thread()) or 42) == 42
+    assert seen[0] is not threading.main_thread() and not seen[0].is_alive()
+    with pytest.raises(ValueError, match="no such model"):
+        _in_passing_thread(lambda: (_ for _ in ()).throw(ValueError("no such model")))
