@@ -26,10 +26,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "groups of 32 (default: unquantized)")  # fmt: skip
     g.add_argument(
         "--attention-backend",
-        choices=["auto", "cpu", "torch"],
+        choices=["auto", "cpu", "torch", "triton"],
         default="auto",
-        help="auto (default): kvpage's compiled CPU kernels where they build, else the torch reference",
+        help="auto (default): kvpage's compiled CPU kernels where they build, the Triton kernels on CUDA, "
+        "else the torch reference",
     )
+    g.add_argument("--device", default="cpu", help="where the model and KV cache live: cpu (default) or cuda")
     g.add_argument("--block-size", type=_block_size, default=16,
                    help="tokens per KV block (default 16), or 'auto': the advice of `kvpage blocks` for "
                    "--block-size-lengths")  # fmt: skip
@@ -69,7 +71,7 @@ def _block_size(text: str) -> int | str:
 def _make_llm(args: argparse.Namespace):
     from kvpage import LLM
 
-    kw = dict(dtype=args.dtype, block_size=args.block_size, swap_space=args.swap_space,
+    kw = dict(dtype=args.dtype, device=args.device, block_size=args.block_size, swap_space=args.swap_space,
               cpu_offload_memory=args.cpu_offload_memory,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,

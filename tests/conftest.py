@@ -10,6 +10,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracle reads the local GGUF file; never the network
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+if not torch.cuda.is_available():  # the Triton kernels run in Triton's interpreter; read when triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 PROMPT_TEXTS = [
     ("chat", "What is the capital of France?"),

@@ -28,6 +28,7 @@ from kvpage.attention.metadata import AttentionMetadata
 _BACKENDS = {
     "torch": "kvpage.attention.torch_ref:TorchReferenceBackend",
     "cpu": "kvpage.attention.cpu_paged:CpuPagedBackend",
+    "triton": "kvpage.attention.triton_paged:TritonPagedBackend",
 }
 
 
@@ -61,14 +62,21 @@ class AttentionBackend(Protocol):
 
 
 def resolve_backend(name: str, device: str | torch.device = "cpu") -> str:
-    """ "auto": the compiled CPU kernels on a CPU where they build (kvpage/ops), else the reference."""
+    """ "auto": the compiled CPU kernels on a CPU where they build (kvpage/ops), the Triton kernels on
+    a CUDA device where triton imports, else the reference."""
     if name != "auto":
         return name
-    if torch.device(device).type == "cpu":
+    kind = torch.device(device).type
+    if kind == "cpu":
         from kvpage.ops import load
 
         if load():
             return "cpu"
+    elif kind == "cuda":
+        from kvpage.attention.triton_paged import unavailable_reason
+
+        if unavailable_reason(device) is None:
+            return "triton"
     return "torch"
 
 
@@ -77,4 +85,5 @@ def get_backend(name: str = "torch", device: str | torch.device = "cpu") -> Atte
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS) + ['auto']}")
     module, cls = _BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)()
+    backend = getattr(importlib.import_module(module), cls)
+    return backend(device) if name == "triton" else backend()

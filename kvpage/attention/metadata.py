@@ -38,6 +38,7 @@ class AttentionMetadata:
     want_mass: list[bool] = field(default_factory=list)
     block_mass: torch.Tensor | None = None
     _groups: list[tuple[torch.Tensor, int, torch.Tensor]] | None = field(default=None, repr=False)
+    _query_start: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def decode_groups(self) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
@@ -60,6 +61,13 @@ class AttentionMetadata:
                 groups.append((torch.tensor(rows, dtype=torch.int64, device=device), max_len, bias))
             self._groups = groups
         return self._groups
+
+    @property
+    def query_start_tensor(self) -> torch.Tensor:
+        """query_start_loc as an int64 tensor on the metadata's device (kernels that loop over chunks)."""
+        if self._query_start is None:
+            self._query_start = torch.tensor(self.query_start_loc, dtype=torch.int64, device=self.seq_lens.device)
+        return self._query_start
 
     @property
     def num_seqs(self) -> int:

@@ -42,6 +42,10 @@ def describe_kernels(chosen: str, asked: str) -> str:
     """What runs the attention and per-layer math, for the start-up line."""
     if chosen == "cpu":
         return "compiled CPU kernels"
+    if chosen == "triton":
+        from kvpage.attention.triton_paged import interpreted
+
+        return "Triton kernels" + (" (in Triton's interpreter)" if interpreted() else "")
     if asked == "auto":
         from kvpage.ops import unavailable_reason
 
@@ -60,11 +64,14 @@ class LLMEngine:
         if loaded.tokenizer is None:
             raise ValueError(f"model {config.model!r} has no tokenizer; kvpage needs one to serve text")
         self.model_config = loaded.config
-        self.kernels = describe_kernels(loaded.model.ops.name, config.attention_backend)
+        self.kernels = describe_kernels(loaded.model.attention_backend.name, config.attention_backend)
         if config.weight_dtype:
             self.kernels += f"; {config.weight_dtype} weights"
         if config.kv_cache_dtype != "auto":
-            self.kernels += f"; {config.kv_cache_dtype} KV cache (attention on the torch path)"
+            torch_path = config.kv_cache_dtype == "fp8" and self.kernels != "torch reference"
+            self.kernels += f"; {config.kv_cache_dtype} KV cache" + (
+                " (attention on the torch path)" if torch_path else ""
+            )
         self.tokenizer = loaded.tokenizer
         block_size = config.block_size
         per_block = KVCache.bytes_per_block(loaded.config, block_size, dtype, config.kv_cache_dtype)
