@@ -36,11 +36,11 @@ def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
     return [([rng.randrange(100, 49000) for _ in range(rng.randint(32, 512))], rng.randint(32, 256)) for _ in range(n)]
 
 
-def run_kvpage(reqs, dtype: str) -> dict:
+def run_kvpage(reqs, dtype: str, device: str = "cpu") -> dict:
     from kvpage import LLM, SamplingParams
 
-    llm = LLM("smollm2", dtype=dtype, kv_cache_memory="6GiB", max_num_seqs=256, max_num_batched_tokens=2048,
-              enable_prefix_caching=False)  # fmt: skip
+    llm = LLM("smollm2", dtype=dtype, device=device, kv_cache_memory="6GiB", max_num_seqs=256,
+              max_num_batched_tokens=2048, enable_prefix_caching=False)  # fmt: skip
     engine = llm.llm_engine
     for i, (prompt, out_len) in enumerate(reqs):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True))
@@ -79,15 +79,19 @@ def run_kvpage(reqs, dtype: str) -> dict:
     }
 
 
-def run_hf(reqs, dtype, impl: str, batch: int) -> dict:
+def run_hf(reqs, dtype, impl: str, batch: int, device: str = "cpu") -> dict:
     import transformers
 
     from kvpage.models.loader import resolve_model_path
 
     path = resolve_model_path("smollm2")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=dtype, attn_implementation=impl
-    ).eval()
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=dtype, attn_implementation=impl
+        )
+        .eval()
+        .to(device)
+    )
     pad = 2
     useful = 0
     t0 = time.perf_counter()
@@ -95,8 +99,8 @@ def run_hf(reqs, dtype, impl: str, batch: int) -> dict:
     for b in range(0, len(reqs), batch):
         chunk = reqs[b : b + batch]
         width = max(len(p) for p, _ in chunk)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in chunk], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk], device=device)
         n = max(o for _, o in chunk)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
@@ -109,7 +113,8 @@ def run_hf(reqs, dtype, impl: str, batch: int) -> dict:
     agree = 0
     for (p, _), row in zip(reqs[:batch], first_batch_tokens, strict=True):
         with torch.no_grad():
-            single = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            single = model.generate(torch.tensor([p], device=device),
+                                    attention_mask=torch.ones(1, len(p), dtype=torch.long, device=device),
                                     max_new_tokens=16, min_new_tokens=16, do_sample=False, eos_token_id=None,
                                     pad_token_id=pad)[0, len(p):].tolist()  # fmt: skip
         agree += single == row[:16]
@@ -123,6 +128,7 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--dtype", default="auto", help="auto (default: what kvpage picks on this CPU), float32, bfloat16")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: both engines on it")
     ap.add_argument("--skip-hf", action="store_true", help="measure kvpage only")
     ap.add_argument("--hf-attn", nargs="+", default=["sdpa", "eager"], help="transformers attention implementations")
     ap.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
@@ -130,16 +136,17 @@ def main() -> None:
     if args.dtype == "auto":
         from kvpage.models import choose_dtype
 
-        args.dtype = choose_dtype("auto", "cpu")[0]
+        args.dtype = choose_dtype("auto", args.device)[0]
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
     reqs = workload(args.num_requests, args.seed)
-    ours = run_kvpage(reqs, args.dtype)
+    ours = run_kvpage(reqs, args.dtype, args.device)
     ours_tps = ours["output_tokens"] / ours["seconds"]
     sp = ours["split"]
     lines = [
         f"Workload: {len(reqs)} requests, prompts {min(len(p) for p, _ in reqs)}-{max(len(p) for p, _ in reqs)} "
         f"tokens, outputs {min(o for _, o in reqs)}-{max(o for _, o in reqs)} tokens "
-        f"({ours['output_tokens']} in all), greedy, ignore_eos, {args.dtype}.",
+        f"({ours['output_tokens']} in all), greedy, ignore_eos, {args.dtype}"
+        + (f", both engines on {torch.cuda.get_device_name(0)}." if args.device != "cpu" else "."),
         "",
         "| engine | seconds | output tokens/s | ratio to kvpage | padded batches correct |",
         "|---|---|---|---|---|",
@@ -149,7 +156,7 @@ def main() -> None:
     hf_runs = []
     if not args.skip_hf:
         for impl in args.hf_attn:
-            r = run_hf(reqs, torch_dtype, impl, args.hf_batch)
+            r = run_hf(reqs, torch_dtype, impl, args.hf_batch, args.device)
             hf_runs.append(r)
             tps = r["output_tokens"] / r["seconds"]
             lines.append(f"| transformers generate, batch {args.hf_batch}, left padded, attn={impl} | "

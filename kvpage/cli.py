@@ -32,6 +32,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "else the torch reference",
     )
     g.add_argument("--device", default="cpu", help="where the model and KV cache live: cpu (default) or cuda")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="on CUDA without --kv-cache-memory / --num-kv-blocks: the share of the GPU's memory to use, "
+                   "the KV pool sized into it after a profiling forward (default 0.9)")  # fmt: skip
     g.add_argument("--block-size", type=_block_size, default=16,
                    help="tokens per KV block (default 16), or 'auto': the advice of `kvpage blocks` for "
                    "--block-size-lengths")  # fmt: skip
@@ -71,7 +74,8 @@ def _block_size(text: str) -> int | str:
 def _make_llm(args: argparse.Namespace):
     from kvpage import LLM
 
-    kw = dict(dtype=args.dtype, device=args.device, block_size=args.block_size, swap_space=args.swap_space,
+    kw = dict(dtype=args.dtype, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
+              block_size=args.block_size, swap_space=args.swap_space,
               cpu_offload_memory=args.cpu_offload_memory,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
@@ -220,6 +224,8 @@ def _serve(args) -> int:
         auth += ", prefix cache salted per key"
     print(f"kvpage serve: {args.model} on http://{args.host}:{args.port} ({auth}); dtype {engine.dtype_name} "
           f"({engine.dtype_reason}); {engine.kernels}", flush=True)  # fmt: skip
+    if engine.kv_pool_note:
+        print(f"kvpage serve: {engine.kv_pool_note}", flush=True)
     status = serve(app, host=args.host, port=args.port, log_level=args.log_level)
     if status:
         print(f"kvpage serve: error: the engine stopped: {app.fastapi.state.async_engine.error!r}", file=sys.stderr)

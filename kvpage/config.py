@@ -46,8 +46,11 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0
     watermark: float = 0.01
-    device: str = "cpu"
-    attention_backend: str = "auto"  # "cpu": compiled kernels (kvpage/ops), "torch": reference; auto picks
+    device: str = "cpu"  # "cpu" or "cuda" (or "cuda:N")
+    # on CUDA without kv_cache_memory / num_kv_blocks: the share of the device's memory the engine may use,
+    # the KV pool sized into it after a profiling forward (worker/gpu_memory.py)
+    gpu_memory_utilization: float = 0.9
+    attention_backend: str = "auto"  # "cpu": compiled kernels, "triton": Triton kernels, "torch": reference
     # every request's eviction policy unless it names its own: None, "streaming[:sink_tokens=..,window_tokens=..]",
     # "h2o[:heavy_tokens=..,recent_tokens=..]", a mapping or a policy object (kvpage/core/eviction.py)
     kv_eviction: Any = None
@@ -68,6 +71,11 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be a positive integer, got {self.num_kv_blocks!r}")
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise ValueError("give either kv_cache_memory or num_kv_blocks, not both")
+        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {self.device!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
         self.swap_space = parse_bytes(self.swap_space, "swap_space")

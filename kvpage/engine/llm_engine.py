@@ -31,6 +31,7 @@ from kvpage.engine.output_processor import OutputProcessor, RequestState
 from kvpage.models import choose_dtype, load_model, parse_dtype
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams
+from kvpage.worker.gpu_memory import profile_kv_budget
 from kvpage.worker.kv_cache import KVCache, kv_dtype_name
 from kvpage.worker.model_runner import ModelRunner, ModelRunnerOutput
 from kvpage.worker.sampler import SamplingRow, sample
@@ -77,13 +78,21 @@ class LLMEngine:
         per_block = KVCache.bytes_per_block(loaded.config, block_size, dtype, config.kv_cache_dtype)
         self.kv_dtype_name = kv_dtype_name(config.kv_cache_dtype, dtype)
         self.bytes_per_block = per_block
+        self.kv_pool_note = ""
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
             memory = config.kv_cache_memory if config.kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY
+            if config.kv_cache_memory is None and torch.device(config.device).type == "cuda":
+                memory, self.kv_pool_note = profile_kv_budget(
+                    loaded.model, loaded.config, config.device, dtype, block_size, config.max_num_batched_tokens,
+                    config.kv_cache_dtype, config.gpu_memory_utilization,
+                )  # fmt: skip
             num_blocks = int(memory) // per_block
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory={memory} bytes holds no block of {per_block} bytes")
+            if self.kv_pool_note:
+                self.kv_pool_note += f" = {num_blocks} blocks of {block_size} tokens ({per_block} bytes each)"
         num_cpu_blocks = int(config.swap_space) // per_block
         num_tier_blocks = int(config.cpu_offload_memory) // per_block
         capacity = num_blocks * block_size
