@@ -167,15 +167,15 @@ def prefill(
         for t0 in range(0, hi, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             tm = t < hi
-            if INT8 and m_len == n:  # a chunk without context attends its own K/V as computed, not as stored
-                fm = tm[:, None] & dm[None, :]
-                k = tl.load(k_ptr + (q0 + t)[:, None] * stride_kt + h * stride_kh + d[None, :], mask=fm, other=0.0)
-                v = tl.load(v_ptr + (q0 + t)[:, None] * stride_vt + h * stride_vh + d[None, :], mask=fm, other=0.0)
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            else:
-                k = _load_rows(kc_ptr, ks_ptr, bt, t, tm, d, dm, KVH, BS, D, h, INT8)
-                v = _load_rows(vc_ptr, vs_ptr, bt, t, tm, d, dm, KVH, BS, D, h, INT8)
+            k = _load_rows(kc_ptr, ks_ptr, bt, t, tm, d, dm, KVH, BS, D, h, INT8)
+            v = _load_rows(vc_ptr, vs_ptr, bt, t, tm, d, dm, KVH, BS, D, h, INT8)
+            if INT8:  # noqa: SIM102 - a constexpr test, then a runtime one (Triton compiles them apart)
+                if m_len == n:  # a chunk without context attends its own K/V as computed, not as stored
+                    fm = tm[:, None] & dm[None, :]
+                    k = tl.load(k_ptr + (q0 + t)[:, None] * stride_kt + h * stride_kh + d[None, :], mask=fm,
+                                other=0.0).to(tl.float32)  # fmt: skip
+                    v = tl.load(v_ptr + (q0 + t)[:, None] * stride_vt + h * stride_vh + d[None, :], mask=fm,
+                                other=0.0).to(tl.float32)  # fmt: skip
             if IEEE:
                 sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
             else:
