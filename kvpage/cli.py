@@ -250,7 +250,7 @@ def _in_passing_thread(fn):
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             box["error"] = e
 
-    t = threading.Thread(target=run, name="kvpage-load")
+    t = threading.Thread(target=run, name="kvpage-load", daemon=True)  # Ctrl-C while loading still exits
     t.start()
     t.join()
     if "error" in box:
