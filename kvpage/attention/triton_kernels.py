@@ -44,8 +44,8 @@ def write_kv(
     if INT8:
         kf = k.to(tl.float32)
         vf = v.to(tl.float32)
-        k_scale = tl.maximum(tl.max(tl.abs(kf), axis=0), 1e-12) / 127.0
-        v_scale = tl.maximum(tl.max(tl.abs(vf), axis=0), 1e-12) / 127.0
+        k_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(kf), axis=0), 1e-12), 127.0)  # IEEE, as torch divides
+        v_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(vf), axis=0), 1e-12), 127.0)
         kq = tl.minimum(tl.maximum((tl.math.div_rn(kf, k_scale) + ROUND) - ROUND, -127.0), 127.0)
         vq = tl.minimum(tl.maximum((tl.math.div_rn(vf, v_scale) + ROUND) - ROUND, -127.0), 127.0)
         tl.store(kc_ptr + row * D + d, kq.to(tl.int8), mask=dm)

@@ -15,6 +15,7 @@ cores for a bfloat16 model (float32 sums), in IEEE float32 for a float32 one and
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -39,9 +40,17 @@ def unavailable_reason(device: str | torch.device) -> str | None:
         import triton  # noqa: F401
     except ImportError:
         return "triton is not installed (pip install triton)"
-    if torch.device(device).type != "cuda" and not interpreted():
+    device = torch.device(device)
+    if device.type != "cuda" and not interpreted():
         return "off CUDA the Triton kernels run only under TRITON_INTERPRET=1 (Triton's interpreter, for tests)"
+    if device.type == "cuda" and not interpreted() and torch.cuda.get_device_capability(device) < (8, 0):
+        return "the kernels' bfloat16 matmuls need a GPU of compute capability 8.0 or newer"
     return None
+
+
+def _on(device: torch.device):
+    """Triton launches on the thread's current CUDA device: make it the tensors' (cuda:N, any thread)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _pow2(n: int) -> int:
@@ -66,6 +75,10 @@ class TritonPagedBackend(TorchReferenceBackend):
             return super().write(k, v, kv, slots)
         num_kv_heads, block_size, d = kv.k.shape[1:]
         dummy = kv.k_scale if kv.quantized else kv.k
+        with _on(k.device):
+            self._write(k, v, kv, slots, dummy, num_kv_heads, block_size, d)
+
+    def _write(self, k, v, kv, slots, dummy, num_kv_heads, block_size, d) -> None:
         self._k.write_kv[(k.shape[0], num_kv_heads)](
             k, v, kv.k, kv.v, kv.k_scale if kv.quantized else dummy, kv.v_scale if kv.quantized else dummy, slots,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -75,6 +88,10 @@ class TritonPagedBackend(TorchReferenceBackend):
     def decodes(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
         if not _covered(kv) or meta.block_mass is not None:
             return super().decodes(out, q, kv, meta, scale)
+        with _on(q.device):
+            self._decodes(out, q, kv, meta, scale)
+
+    def _decodes(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
         n = meta.num_decodes
         num_kv_heads, block_size, d = kv.k.shape[1:]
         heads = q.shape[1]
@@ -107,6 +124,10 @@ class TritonPagedBackend(TorchReferenceBackend):
         wants_mass = meta.block_mass is not None and any(meta.want_mass[first:])
         if not _covered(kv) or wants_mass:
             return super().prefills(out, q, k, v, kv, meta, scale)
+        with _on(q.device):
+            self._prefills(out, q, k, v, kv, meta, scale, first, count)
+
+    def _prefills(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, scale: float, first: int, count: int):
         num_kv_heads, block_size, d = kv.k.shape[1:]
         heads = q.shape[1]
         starts = meta.query_start_loc

@@ -86,7 +86,7 @@ class LLMEngine:
             if config.kv_cache_memory is None and torch.device(config.device).type == "cuda":
                 memory, self.kv_pool_note = profile_kv_budget(
                     loaded.model, loaded.config, config.device, dtype, block_size, config.max_num_batched_tokens,
-                    config.kv_cache_dtype, config.gpu_memory_utilization,
+                    config.max_num_seqs, config.kv_cache_dtype, config.gpu_memory_utilization,
                 )  # fmt: skip
             num_blocks = int(memory) // per_block
             if num_blocks < 1:

@@ -12,6 +12,8 @@ runs layer by layer.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from kvpage.attention.cpu_paged import CpuPagedBackend
@@ -19,11 +21,12 @@ from kvpage.attention.layer_kv import LayerKV
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.models.layer_ops import KernelLayerOps
 from kvpage.models.weight_quant import QuantizedWeight
+from kvpage.ops import KERNEL_DTYPES
 
 
 class FusedDecode:
     def __init__(self, model) -> None:
-        self.model = model
+        self._model = weakref.ref(model)  # the model holds this object: no cycle keeping its weights alive
         self._weights: tuple | None = None  # (flat list, kind, qkv biases), () when the weights do not fit
 
     @staticmethod
@@ -33,12 +36,16 @@ class FusedDecode:
             type(layer.self_attn.backend) is CpuPagedBackend for layer in model.layers
         )
 
+    @property
+    def model(self):
+        return self._model()
+
     def run(self, x, cos, sin, kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor | None:
         """The final-norm hidden states [T, hidden] of a pure decode step, or None if it does not apply."""
         if meta.num_decodes != meta.num_seqs or meta.block_mass is not None or not self.applies_to(self.model):
             return None
         ops = self.model.ops
-        if x.dtype not in ops.policy.plain:
+        if x.dtype not in KERNEL_DTYPES:
             return None
         weights = self._layer_weights()
         caches = _cache_lists(kv_caches, x.dtype)
@@ -59,6 +66,9 @@ class FusedDecode:
 
     def _layer_weights(self):
         """Per layer: the two norms, then (weight, scales, mins) of qkv, o, gate_up, down; built once."""
+        first = self.model.layers[0].self_attn.qkv_proj.weight
+        if self._weights is not None and self._weights and self._weights[0][2] is not _tensor_of(first):
+            self._weights = None  # the weights were replaced (quantized) since they were gathered
         if self._weights is None:
             flat, kinds, bias = [], set(), []
             none = torch.empty(0)
@@ -79,6 +89,10 @@ class FusedDecode:
             kind = kinds.pop() if ok else None
             self._weights = (flat, kind, bias) if ok else ()
         return self._weights or None
+
+
+def _tensor_of(w):
+    return w.q if isinstance(w, QuantizedWeight) else w
 
 
 def _cache_lists(kv_caches: list[LayerKV], dtype: torch.dtype):

@@ -4,8 +4,10 @@
              (the weights plus the activations of a profiling forward of the largest step)
 
 The profiling forward runs max_num_batched_tokens tokens as one prefill through the model on a
-scratch cache just big enough for them, so the peak is what the largest step the scheduler may
-send needs; the KV pool is then sized into what is left.
+scratch cache just big enough for them (not counted: the pool will hold those tokens), with the
+logits of a full step's rows and a softmax and sort of them as sampling does, so the peak is what
+the largest step the scheduler may send needs; the KV pool is then sized into what is left. Unlike
+vLLM v1, memory other processes hold is subtracted: two engines on one GPU share its memory.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ def kv_cache_budget(total: int, used_elsewhere: int, peak: int, utilization: flo
 
 
 @torch.inference_mode()
-def profile_kv_budget(model, cfg, device, dtype, block_size: int, max_tokens: int, kv_cache_dtype: str,
-                      utilization: float) -> tuple[int, str]:  # fmt: skip
+def profile_kv_budget(model, cfg, device, dtype, block_size: int, max_tokens: int, max_seqs: int,
+                      kv_cache_dtype: str, utilization: float) -> tuple[int, str]:  # fmt: skip
     """(bytes for the KV pool, a line saying how they were found) after one profiling forward."""
     from kvpage.attention.metadata import AttentionMetadata
     from kvpage.worker.kv_cache import KVCache
@@ -43,15 +45,18 @@ def profile_kv_budget(model, cfg, device, dtype, block_size: int, max_tokens: in
     meta = AttentionMetadata.build([max_tokens], [max_tokens], [list(range(blocks))], block_size, device)
     ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
     hidden = model(ids, torch.arange(max_tokens, device=device), scratch.layers, meta)
-    model.compute_logits(hidden[-1:])
+    logits = model.compute_logits(hidden[: min(max_seqs, max_tokens)]).float()  # a full step's logit rows,
+    torch.softmax(logits, dim=-1).sort(dim=-1)  # and what sampling them allocates (top-p sorts)
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    del scratch, hidden
+    scratch_bytes = sum(t.numel() * t.element_size() for layer in scratch.layers for t in layer.tensors())
+    peak = torch.cuda.max_memory_allocated(device) - scratch_bytes  # the scratch cache is the pool's to be
+    del scratch, hidden, logits
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    used_elsewhere = max(0, total - free - torch.cuda.memory_reserved(device))
+    used_elsewhere = max(0, total - free - torch.cuda.memory_reserved(device))  # other processes + CUDA context
     budget = kv_cache_budget(total, used_elsewhere, peak, utilization)
     note = (f"KV pool {budget / 2**30:.2f} GiB: {utilization:.0%} of {total / 2**30:.1f} GiB, less "
-            f"{used_elsewhere / 2**30:.2f} GiB held elsewhere and {peak / 2**30:.2f} GiB peak of a "
+            f"{used_elsewhere / 2**30:.2f} GiB outside torch's allocator (other processes, CUDA context) and "
+            f"{peak / 2**30:.2f} GiB peak of a "
             f"{max_tokens}-token profiling step")  # fmt: skip
     return budget, note

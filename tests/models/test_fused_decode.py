@@ -117,3 +117,15 @@ def test_reference_ops_never_fuse():
     lm = load_model(MHA, dtype="float32", backend="torch")
     a, b, ran = _both(lm, *_step(lm, [7, 12], 4))
     assert not ran and torch.equal(a, b)
+
+
+def test_weights_quantized_after_a_fused_step_are_read_afresh():
+    from kvpage.models.weight_quant import quantize_model
+
+    lm = load_model(GQA_BIAS, dtype="float32")
+    step = _step(lm, [6, 9], 4)
+    assert _both(lm, *step)[2]
+    quantize_model(lm.model, "int8")
+    a, b, ran = _both(lm, *_step(lm, [6, 9], 4))
+    assert ran and torch.equal(a, b)
+    assert lm.model.fused_decode._weights[1] == 8  # it gathered the int8 weights, not the old float ones
