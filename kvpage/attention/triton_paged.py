@@ -70,28 +70,22 @@ class TritonPagedBackend(TorchReferenceBackend):
         self._k = triton_kernels
         self.splits: int | None = None  # fixed number of decode splits (tests); None: chosen per step
 
+    def forward(self, q, k, v, kv: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        with _on(q.device):  # every launch of the step on the tensors' GPU
+            return super().forward(q, k, v, kv, meta, scale)
+
     def write(self, k, v, kv: LayerKV, slots) -> None:
         if not _covered(kv) or k.shape[0] == 0:
             return super().write(k, v, kv, slots)
         num_kv_heads, block_size, d = kv.k.shape[1:]
-        dummy = kv.k_scale if kv.quantized else kv.k
-        with _on(k.device):
-            self._write(k, v, kv, slots, dummy, num_kv_heads, block_size, d)
-
-    def _write(self, k, v, kv, slots, dummy, num_kv_heads, block_size, d) -> None:
         self._k.write_kv[(k.shape[0], num_kv_heads)](
-            k, v, kv.k, kv.v, kv.k_scale if kv.quantized else dummy, kv.v_scale if kv.quantized else dummy, slots,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k, v, kv.k, kv.v, *_scales(kv), slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             KVH=num_kv_heads, BS=block_size, D=d, DP=_pow2(d), INT8=kv.quantized,
         )  # fmt: skip
 
     def decodes(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
         if not _covered(kv) or meta.block_mass is not None:
             return super().decodes(out, q, kv, meta, scale)
-        with _on(q.device):
-            self._decodes(out, q, kv, meta, scale)
-
-    def _decodes(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
         n = meta.num_decodes
         num_kv_heads, block_size, d = kv.k.shape[1:]
         heads = q.shape[1]
@@ -105,9 +99,8 @@ class TritonPagedBackend(TorchReferenceBackend):
             ml = torch.empty(n, heads, splits, 2, dtype=torch.float32, device=q.device)
         else:
             acc = ml = out  # unused
-        scales = (kv.k_scale, kv.v_scale) if kv.quantized else (kv.k, kv.v)
         self._k.decode[(n, num_kv_heads, splits)](
-            q, kv.k, kv.v, *scales, meta.block_tables, meta.seq_lens, out, acc, ml,
+            q, kv.k, kv.v, *_scales(kv), meta.block_tables, meta.seq_lens, out, acc, ml,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0), scale, split_len,
             G=group, GP=_pow2(group), KVH=num_kv_heads, BS=block_size, D=d, DP=dp,
             BLOCK_N=BLOCK_N, SPLITS=splits, INT8=kv.quantized,
@@ -124,17 +117,12 @@ class TritonPagedBackend(TorchReferenceBackend):
         wants_mass = meta.block_mass is not None and any(meta.want_mass[first:])
         if not _covered(kv) or wants_mass:
             return super().prefills(out, q, k, v, kv, meta, scale)
-        with _on(q.device):
-            self._prefills(out, q, k, v, kv, meta, scale, first, count)
-
-    def _prefills(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, scale: float, first: int, count: int):
         num_kv_heads, block_size, d = kv.k.shape[1:]
         heads = q.shape[1]
         starts = meta.query_start_loc
         longest = max(starts[i + 1] - starts[i] for i in range(first, meta.num_seqs))
-        scales = (kv.k_scale, kv.v_scale) if kv.quantized else (kv.k, kv.v)
         self._k.prefill[(count, heads, -(-longest // BLOCK_M))](
-            q, k, v, kv.k, kv.v, *scales, meta.block_tables, meta.seq_lens, meta.query_start_tensor, out,
+            q, k, v, kv.k, kv.v, *_scales(kv), meta.block_tables, meta.seq_lens, meta.query_start_tensor, out,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), meta.block_tables.stride(0), scale, first,
             G=heads // num_kv_heads, KVH=num_kv_heads, BS=block_size, D=d, DP=max(16, _pow2(d)),
@@ -147,6 +135,11 @@ class TritonPagedBackend(TorchReferenceBackend):
         if programs >= MIN_PROGRAMS or longest <= SPLIT_TARGET:
             return 1
         return min(-(-longest // SPLIT_TARGET), -(-MIN_PROGRAMS // programs), 64)
+
+
+def _scales(kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' scale pointers: the int8 scales, or (unread) the values themselves."""
+    return (kv.k_scale, kv.v_scale) if kv.quantized else (kv.k, kv.v)
 
 
 def _covered(kv: LayerKV) -> bool:

@@ -27,7 +27,8 @@ from kvpage.ops import KERNEL_DTYPES
 class FusedDecode:
     def __init__(self, model) -> None:
         self._model = weakref.ref(model)  # the model holds this object: no cycle keeping its weights alive
-        self._weights: tuple | None = None  # (flat list, kind, qkv biases), () when the weights do not fit
+        # (flat list, bits (0: plain), the plain weights' dtype, qkv biases); () when the weights do not fit
+        self._weights: tuple | None = None
 
     @staticmethod
     def applies_to(model) -> bool:
@@ -44,18 +45,16 @@ class FusedDecode:
         """The final-norm hidden states [T, hidden] of a pure decode step, or None if it does not apply."""
         if meta.num_decodes != meta.num_seqs or meta.block_mass is not None or not self.applies_to(self.model):
             return None
-        ops = self.model.ops
         if x.dtype not in KERNEL_DTYPES:
             return None
         weights = self._layer_weights()
         caches = _cache_lists(kv_caches, x.dtype)
         if weights is None or caches is None:
             return None
-        flat, kind, bias = weights
-        if isinstance(kind, tuple) and kind[1] != x.dtype:  # plain weights of another dtype: torch's path
+        flat, bits, weight_dtype, bias = weights
+        if bits == 0 and weight_dtype != x.dtype:  # plain weights of another dtype: torch's path
             return None
-        bits = 0 if isinstance(kind, tuple) else kind
-        rows = x.shape[0]
+        ops, rows = self.model.ops, x.shape[0]
         limit = (ops.policy.quantized if bits else ops.policy.plain)[x.dtype]
         cfg, attn = self.model.config, self.model.layers[0].self_attn
         return torch.ops.kvpage.decode_layers(
@@ -67,7 +66,7 @@ class FusedDecode:
     def _layer_weights(self):
         """Per layer: the two norms, then (weight, scales, mins) of qkv, o, gate_up, down; built once."""
         first = self.model.layers[0].self_attn.qkv_proj.weight
-        if self._weights is not None and self._weights and self._weights[0][2] is not _tensor_of(first):
+        if self._weights and self._weights[0][2] is not _tensor_of(first):
             self._weights = None  # the weights were replaced (quantized) since they were gathered
         if self._weights is None:
             flat, kinds, bias = [], set(), []
@@ -79,15 +78,14 @@ class FusedDecode:
                     w = lin.weight
                     if isinstance(w, QuantizedWeight):
                         flat += [w.q, w.scales, none if w.mins is None else w.mins]
-                        kinds.add(w.bits)
+                        kinds.add((w.bits, None))
                     else:
                         flat += [w, none, none]
                         kinds.add((0, w.dtype))
                 if attn.qkv_proj.bias is not None:
                     bias.append(attn.qkv_proj.bias)
             ok = len(kinds) == 1 and len(bias) in (0, len(self.model.layers))
-            kind = kinds.pop() if ok else None
-            self._weights = (flat, kind, bias) if ok else ()
+            self._weights = (flat, *kinds.pop(), bias) if ok else ()
         return self._weights or None
 
 
