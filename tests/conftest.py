@@ -6,12 +6,25 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+from kvpage import cpu_kind
+
+CPU_KIND = cpu_kind.apply_torch_env()  # KVPAGE_CPU_KIND: torch's kernels too must take that kind, so before torch
+
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracle reads the local GGUF file; never the network
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 if not torch.cuda.is_available():  # the Triton kernels run in Triton's interpreter; read when triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_report_header(config):
+    kind, _ = cpu_kind.machine()
+    native = cpu_kind.kind_of(cpu_kind.read_flags())
+    how = f"emulated by KVPAGE_CPU_KIND on a {native} machine" if kind != native else "this machine's own"
+    return f"kvpage CPU kind: {kind} ({how}); torch dispatch {torch.backends.cpu.get_cpu_capability()}"
+
 
 PROMPT_TEXTS = [
     ("chat", "What is the capital of France?"),

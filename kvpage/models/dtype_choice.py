@@ -8,25 +8,16 @@ against ~137), so "auto" picks float32 there; with AVX512_BF16 / AMX (x86) or FE
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
+
+from kvpage.cpu_kind import machine, read_flags
 
 _NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (x86 "flags", arm64 "Features"); empty elsewhere."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(value.split())
-    return set()
+    """Feature flags: parsed from `cpuinfo`, or this machine's as KVPAGE_CPU_KIND lets kvpage see them."""
+    return read_flags(cpuinfo) if cpuinfo is not None else machine()[1]
 
 
 def cpu_has_native_bf16(flags: set[str] | None = None) -> bool:
@@ -40,6 +31,9 @@ def choose_dtype(dtype: str | torch.dtype, device: str = "cpu", flags: set[str] 
     if torch.device(device).type == "cuda":
         return "bfloat16", "auto: a CUDA device"
     capability = torch.backends.cpu.get_cpu_capability()
+    if flags is None:
+        kind, flags = machine()
+        capability += f", kvpage kind {kind}"
     if cpu_has_native_bf16(flags):
         return "bfloat16", f"auto: this CPU computes bfloat16 natively ({capability} with BF16)"
     return "float32", f"auto: this CPU has no native bfloat16 ({capability}), where float32 is faster"

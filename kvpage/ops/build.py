@@ -1,8 +1,9 @@
 """Compiles kvpage's CPU kernels (csrc/cpu_ops.cpp) once per machine and loads them as torch.ops.kvpage.*.
 
 The library is built with the system C++ compiler against the installed torch's headers, for this
-CPU (-march=native), into ~/.cache/kvpage/ops/<key>/ (KVPAGE_CACHE_DIR overrides ~/.cache/kvpage);
-the key covers the source, torch's version and the CPU's flags, so a change of any rebuilds it.
+CPU (-march=native; under KVPAGE_CPU_KIND the named kind's -march, kvpage/cpu_kind.py), into
+~/.cache/kvpage/ops/<key>/ (KVPAGE_CACHE_DIR overrides ~/.cache/kvpage); the key covers the source,
+torch's version, the CPU's flags and the build flags, so a change of any rebuilds it.
 A build takes ~15-30 s the first time and nothing afterwards. Where no compiler is found or the build
 fails, `load()` returns False and says why once; callers then keep to the pure-torch reference.
 Set KVPAGE_CPU_KERNELS=0 to never build or load them.
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from kvpage import cpu_kind
+
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels compute; other dtypes take the torch path
 _lock = threading.Lock()
@@ -33,26 +36,22 @@ def cache_root() -> Path:
     return Path(os.environ.get("KVPAGE_CACHE_DIR", Path.home() / ".cache" / "kvpage"))
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 # -ffp-contract=off: no fused multiply-adds where the source has a multiply then an add, so the
 # elementwise ops (RoPE, SiLU) round as torch's do, step by step. -fopenmp: at::parallel_for is a
 # header template that splits work with `#pragma omp parallel` (torch's CPU build is OpenMP); without
 # it the kernels run on one thread. The libgomp.so.1 torch loads is the one that runs them.
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w"]
+_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-std=c++17", "-shared", "-fPIC", "-w"]
+
+
+def build_flags() -> list[str]:
+    """The compiler flags: -march for this process's CPU kind, then the fixed ones."""
+    return [f"-march={cpu_kind.march(cpu_kind.read_flags(), cpu_kind.requested())}", *_FLAGS]
 
 
 def _key(cxx: str) -> str:
     h = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), torch.__version__, _cpu_flags(), cxx, sys.version, " ".join(_FLAGS)):
+    flags = " ".join(sorted(cpu_kind.read_flags())) or platform.processor()
+    for part in (_SOURCE.read_bytes(), torch.__version__, flags, cxx, sys.version, " ".join(build_flags())):
         h.update(part if isinstance(part, bytes) else part.encode())
     return h.hexdigest()[:16]
 
@@ -62,7 +61,7 @@ def _compile(cxx: str, out: Path) -> None:
 
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    cmd = [cxx, *_FLAGS]
+    cmd = [cxx, *build_flags()]
     cmd += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-DTORCH_EXTENSION_NAME=kvpage_cpu_ops"]
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
     tmp = out.with_suffix(f".{os.getpid()}.tmp")

@@ -203,17 +203,19 @@ def test_vllm_extensions(server, client):
 
 
 def test_use_beam_search_returns_the_engines_beams(server, client):
+    """The server's beams are the engine's: an `LLM` of its own (never the server's engine, which its
+    engine thread alone may step) searches the same prompt in the same configuration."""
+    from kvpage import LLM
     from kvpage.sampling_params import BeamSearchParams
 
     r = client.completions.create(model="smollm2", prompt=PROMPT, n=3, max_tokens=6,
                                   extra_body={"use_beam_search": True})  # fmt: skip
     assert [c.index for c in r.choices] == [0, 1, 2]
-    engine = server.engine
-    engine.add_request("beam-oracle", PROMPT, BeamSearchParams(beam_width=3, max_tokens=6))
-    out = None
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out = o
+    cfg = server.engine.config
+    oracle = LLM(cfg.model, dtype=cfg.dtype, num_kv_blocks=cfg.num_kv_blocks, max_model_len=cfg.max_model_len)
+    out = oracle.beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=6))[0]
+    assert oracle.cache_stats().used_blocks == 0
+    oracle.llm_engine.kv_manager.check_invariants()
     assert [c.text for c in r.choices] == [c.text for c in out.outputs]
     streamed = list(client.completions.create(model="smollm2", prompt=PROMPT, n=3, max_tokens=6, stream=True,
                                               extra_body={"use_beam_search": True}))  # fmt: skip
