@@ -2,6 +2,7 @@
 
 A request starts with one sequence (its prompt). Parallel sampling (n > 1) and beam search fork it
 into more sequences that share blocks; each sequence ends on its own, the request when all have.
+Parallel samples are also preempted on their own (`parked`), beams only all together.
 The request owns its sequences' token ids (the KV-cache manager only holds blocks); the scheduler
 is the only writer, in `update_from_output`.
 """
@@ -32,6 +33,9 @@ class Sequence:
     # lead has recomputed them: it may not run until sequence `depends_on[0]` has computed that far
     # (the condition stays true afterwards; a recompute resets it).
     depends_on: tuple[int, int] | None = None
+    # A parallel sample preempted on its own while its request runs on: it holds no GPU block (none
+    # after a recompute, or its blocks in the CPU pool after a swap) until the scheduler resumes it.
+    parked: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
 
@@ -61,6 +65,9 @@ class Request:
     use_prefix_cache: bool = True  # off for requests that want prompt logprobs (every position must run)
     want_prompt_logprobs: bool = False
     width: int = 1  # the most sequences it runs at once: n, or the beam width
+    # Parallel samples are independent: preempted and resumed one by one, so the request fails only
+    # when one sample alone can never fit. Beams (False) are pruned together and move as a gang.
+    independent: bool = False
     sequences: list[Sequence] = field(default_factory=list)  # sequences[i].index == i
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
@@ -80,6 +87,11 @@ class Request:
     @property
     def live_sequences(self) -> list[Sequence]:
         return [s for s in self.sequences if not s.finished]
+
+    @property
+    def resident_sequences(self) -> list[Sequence]:
+        """The live sequences the scheduler runs now (parked samples left out)."""
+        return [s for s in self.sequences if not s.finished and not s.parked]
 
     @property
     def finished(self) -> bool:

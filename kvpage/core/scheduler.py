@@ -11,10 +11,13 @@ covers a decode (1 token), a prompt chunk (chunked prefill) and a recompute afte
     1. running requests, oldest first: slots for their new tokens, then their next tokens. When
        blocks run out, the most recently admitted request is preempted (swap to the CPU pool when
        the policy allows and it fits, else recompute: free its blocks, requeue it at the front of
-       the waiting queue). A request that runs out of blocks with nothing else left to preempt can
-       never go on: it fails alone.
-    2. swapped requests, oldest first, if nothing was preempted this step: swapped back in.
-    3. waiting requests, first come first served, if nothing is swapped out: admitted while the
+       the waiting queue). A request of independent parallel samples gives up one sample at a time
+       (its last: "parked", swapped or freed) while more than one runs. A request that runs out of
+       blocks with nothing else left to preempt can never go on: it fails alone.
+    2. swapped requests, oldest first, if nothing was preempted this step: swapped back in; then
+       parked samples, oldest request first: swapped back in, or admitted again (their prompt
+       blocks are hits while a sibling holds them).
+    3. waiting requests, first come first served, if nothing is swapped out or parked: admitted while the
        budget, `max_num_seqs` and the block watermark allow (`KVCacheManager.check_admission`
        decides, for all of a request's sequences at once). A request that could never fit fails
        alone and the queue goes on.
@@ -114,7 +117,7 @@ class Scheduler:
         return bool(self.requests or self._failed)
 
     def num_running_seqs(self) -> int:
-        return sum(len(r.live_sequences) for r in self.running)
+        return sum(len(r.resident_sequences) for r in self.running)
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
@@ -130,12 +133,19 @@ class Scheduler:
                 i += 1
                 continue
             need = self._blocks_to_grow(req, plan)
-            while need > self.kv.pool.num_free and req.status is RequestStatus.RUNNING:
-                if self.running == [req]:  # nothing else holds blocks: it can never go on
+            while plan and need > self.kv.pool.num_free and req.status is RequestStatus.RUNNING:
+                victim = self.running[-1]  # the most recently admitted; maybe req itself
+                if victim.independent and len(victim.resident_sequences) > 1:
+                    self._park(victim, out)  # one sample goes, its siblings run on
+                elif victim is req and len(self.running) == 1:  # nothing else holds blocks: it can never go on
                     self._fail(req, self._never_fits(req, need))
                     break
-                self._preempt(self.running.pop(), out)  # the most recently admitted; maybe req itself
+                else:
+                    self._preempt(self.running.pop(), out)
                 preempted = True
+                if victim is req and req.status is RequestStatus.RUNNING:
+                    plan = self._plan(req, budget)
+                    need = self._blocks_to_grow(req, plan)
             if req.status is not RequestStatus.RUNNING:
                 break  # req itself is gone: every request after it is gone as well
             for seq, n in plan:
@@ -145,7 +155,9 @@ class Scheduler:
         if not preempted:
             budget = self._swap_in(budget, out)
         if not preempted and not self.swapped:
-            self._admit(budget, out)
+            budget, all_back = self._resume_parked(budget, out)
+            if all_back:  # first come, first served: no newcomer overtakes a parked sample
+                self._admit(budget, out)
         out.failed = list(self._failed.items())
         self._failed.clear()
         out.offload, out.restore = self.kv.take_tier_transfers()
@@ -153,7 +165,7 @@ class Scheduler:
 
     def _plan(self, req: Request, budget: int) -> list[tuple[Sequence, int]]:
         """Tokens for each live sequence; decodes of a request go all together or not at all."""
-        seqs = [s for s in req.live_sequences if s.num_uncomputed > 0]
+        seqs = [s for s in req.resident_sequences if s.num_uncomputed > 0]
         if all(s.num_uncomputed == 1 for s in seqs) and len(seqs) > budget:
             return []
         end: dict[int, int] = {}  # computed by the end of this step, for siblings waiting on their lead
@@ -210,19 +222,21 @@ class Scheduler:
         return n
 
     def _never_fits(self, req: Request, need: int) -> str:
-        k = len(req.live_sequences)
+        k = len(req.resident_sequences)
         return (
             f"request {req.request_id!r} can never fit: its {k} sequence{'s' * (k > 1)} need {need} more "
             f"block{'s' * (need > 1)} to go on, but only {self.kv.pool.num_free} are free with nothing else "
             f"running (the cache holds {self.kv.pool.num_total} blocks of {self.kv.block_size} tokens)"
         )
 
+    def _preempt_mode(self) -> str:
+        return self.preemption_mode or ("swap" if self.kv.cpu_pool.num_total else "recompute")
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         req.num_preemptions += 1
         self.num_preemptions += 1
-        live = [s.key for s in req.live_sequences]
-        mode = self.preemption_mode or ("swap" if self.kv.cpu_pool.num_total else "recompute")
-        if mode == "swap":
+        live = [s.key for s in req.resident_sequences]
+        if self._preempt_mode() == "swap":
             pairs = self.kv.swap_out(live)
             if pairs is not None:
                 out.swap_out.extend(pairs)
@@ -231,19 +245,73 @@ class Scheduler:
                 self.num_swapped_out += 1
                 self._in_flight.add(req.request_id)
                 return
-        for seq in req.live_sequences:  # recompute: drop the KV, keep the tokens
-            self.kv.free(seq.key)
+        for i, seq in enumerate(req.live_sequences):  # recompute: drop the KV, keep the tokens
+            if self.kv.has_sequence(seq.key):  # (a parked sample may hold swapped blocks)
+                self.kv.free(seq.key)
             seq.num_computed = 0
             seq.depends_on = None
+            seq.parked = req.independent and i > 0  # samples come back one by one after their lead
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
+
+    def _park(self, req: Request, out: SchedulerOutput) -> None:
+        """Preempt the last running sample of an independent request; the others go on."""
+        seq = req.resident_sequences[-1]
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.parked = True
+        if self._preempt_mode() == "swap":
+            pairs = self.kv.swap_out([seq.key])  # blocks its siblings share stay on the GPU for them
+            if pairs is not None:
+                out.swap_out.extend(pairs)
+                self.num_swapped_out += 1
+                self._in_flight.add(req.request_id)
+                return
+        self.kv.free(seq.key)
+        seq.num_computed = 0
+        seq.depends_on = None
+
+    def _resume_parked(self, budget: int, out: SchedulerOutput) -> tuple[int, bool]:
+        """Parked samples back, oldest request first, while they fit beside everyone running
+        (swapped ones swapped in, freed ones admitted again: the blocks their siblings hold are hits).
+        Returns the budget left and whether every parked sample is back."""
+        for req in list(self.running):
+            for seq in [s for s in req.live_sequences if s.parked]:
+                if budget <= 0 or self.num_running_seqs() >= self.max_num_seqs:
+                    return budget, False
+                keep = self.num_running_seqs() > 0
+                if self.kv.has_sequence(seq.key):  # swapped out
+                    if not self.kv.can_swap_in([seq.key], keep_watermark=keep):
+                        return budget, False
+                    pairs = self.kv.swap_in([seq.key])
+                    if pairs is None:
+                        return budget, False
+                    out.swap_in.extend(pairs)
+                else:
+                    cached = req.use_prefix_cache
+                    adm = self.kv.check_admission([seq.token_ids], req.cache_salt, use_prefix_cache=cached,
+                                                  keep_watermark=keep)  # fmt: skip
+                    if adm.status is AdmissionStatus.NEVER:
+                        why = f"sample {seq.index}: {adm.reason}"
+                        self._fail(req, f"request {req.request_id!r} can never fit: {why}")
+                        break
+                    if adm.status is AdmissionStatus.LATER:
+                        return budget, False
+                    self.kv.admit([seq.key], [seq.token_ids], adm)
+                    seq.num_computed = adm.prefix.num_tokens if adm.prefix else 0
+                seq.parked = False
+                self._in_flight.add(req.request_id)
+                n = min(seq.num_uncomputed, budget)
+                if n > 0 and self._blocks_to_grow(req, [(seq, n)]) <= self.kv.pool.num_free:
+                    budget -= self._schedule_seq(req, seq, n, out)
+        return budget, True
 
     def _swap_in(self, budget: int, out: SchedulerOutput) -> int:
         """Bring swapped requests back, oldest first, and run them in this step when their next tokens
         need no block beyond what is free."""
         while self.swapped:
             req = self.swapped[0]
-            live = [s.key for s in req.live_sequences]
+            live = [s.key for s in req.resident_sequences]
             if not self.kv.can_swap_in(live, keep_watermark=bool(self.running)):
                 return budget
             if self.running and self.num_running_seqs() + max(len(live), req.width) > self.max_num_seqs:
@@ -266,7 +334,7 @@ class Scheduler:
         bs = self.kv.block_size
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            seqs = req.live_sequences
+            seqs = req.resident_sequences
             if self.running and self.num_running_seqs() + max(len(seqs), req.width) > self.max_num_seqs:
                 return
             tokens = [s.token_ids for s in seqs]
@@ -415,8 +483,21 @@ class Scheduler:
                 all(s.index == i for i, s in enumerate(req.sequences)), lambda: f"{req.request_id}: sequence indices"
             )
             _check(bool(req.live_sequences), lambda: f"{req.request_id}: queued with no live sequence")
+            _check(
+                req.status is not RequestStatus.WAITING or not req.live_sequences[0].parked,
+                lambda: f"{req.request_id}: waits with its lead parked",
+            )
             for seq in req.live_sequences:
                 has = self.kv.has_sequence(seq.key)
+                _check(not seq.parked or req.independent, lambda: f"{seq.key}: parked, but its request is a gang")
+                if seq.parked:  # no GPU block: none, or swapped out (never while its request waits)
+                    _check(
+                        not has or (self.kv.is_swapped(seq.key) and req.status is not RequestStatus.WAITING),
+                        lambda: f"{seq.key}: parked with GPU blocks",
+                    )
+                    if has:
+                        held.add(seq.key)
+                    continue
                 _check(
                     has == (req.status is not RequestStatus.WAITING),
                     lambda: f"{seq.key}: blocks for status {req.status}",

@@ -193,7 +193,14 @@ class Simulation:
         )
 
     def _add(self, spec: dict) -> None:
-        req = Request(spec["id"], list(spec["prompt"]), self.step_no, cache_salt=spec["salt"], width=spec["width"])
+        req = Request(
+            spec["id"],
+            list(spec["prompt"]),
+            self.step_no,
+            cache_salt=spec["salt"],
+            width=spec["width"],
+            independent=spec["width"] > 1 and not spec["beam"],
+        )  # as the engine makes parallel samples
         self.sched.add_request(req)
         self.sims[spec["id"]] = _ReqSim(spec)
 
@@ -204,7 +211,8 @@ class Simulation:
         spec = next(r for r in self.w.requests if r["id"] == rid)
         w, bs = self.w, self.w.block_size
         longest = min(len(spec["prompt"]) + spec["max_tokens"], w.max_model_len)
-        fits = spec["width"] * -(-longest // bs) <= w.num_blocks
+        at_once = 1 if spec["width"] > 1 and not spec["beam"] else spec["width"]  # a sample need only fit alone
+        fits = at_once * -(-longest // bs) <= w.num_blocks
         schedulable = len(spec["prompt"]) <= w.max_model_len and spec["width"] <= min(
             w.max_num_seqs, w.max_num_batched_tokens
         )

@@ -266,3 +266,75 @@ def test_swap_out_and_back_in_keeps_the_tables_shape_and_the_shared_blocks():
     assert s.requests["new"].status is RequestStatus.RUNNING
     s.abort_request("new")
     assert_empty(s)
+
+
+# ----------------------------------------------------------------------------- independent samples
+
+
+def _drive_samples(s: Scheduler, lengths: dict[str, int]) -> list[tuple]:
+    """Run to the end as the engine would (each sample's tokens numbered from 101; the samples of
+    'wide' forked at its first token): per step (scheduled, copies, swap-outs, swap-ins, parked)."""
+    trace, token = [], 100
+    while s.has_unfinished():
+        out = s.schedule()
+        s.check_invariants()
+        updates: dict[str, RequestUpdate] = {}
+        for sq in out.sequences:
+            rid, index = sq.seq_id
+            req = s.requests[rid]
+            seq = req.sequences[index]
+            token += 1
+            done = "length" if len(seq.output_token_ids) + 1 >= lengths[rid] else None
+            u = updates.setdefault(rid, RequestUpdate(rid))
+            u.sequences.append(SeqUpdate(index, token, None, done))
+            if req.width > 1 and len(req.sequences) == 1:
+                u.sequences += [SeqUpdate(j, token, 0, done) for j in range(1, req.width)]
+        s.update_from_output(out, updates)
+        s.check_invariants()
+        wide = s.requests.get("wide")
+        parked = [q.index for q in wide.sequences if q.parked] if wide else []
+        trace.append((seqs(out), out.copies, out.swap_out, out.swap_in, parked))
+    return trace
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_samples_give_way_one_by_one_and_finish_where_the_gang_failed(mode):
+    """The pool of test_a_request_that_outgrows_the_whole_pool_fails_alone...: 3 samples' 9th tokens
+    need 3 blocks with none free. As independent samples (the engine's n > 1) the last two give way,
+    the first finishes, then each comes back alone: by recompute (its prefix blocks still cached, so
+    it computes only what was lost) or by swap. 'next' waits its turn behind the parked samples."""
+    s = make(4, mode=mode, cpu=16 if mode == "swap" else 0)
+    s.add_request(Request("wide", [1, 2, 3, 4, 5, 6], 0, width=3, independent=True))
+    s.add_request(Request("next", [9, 9], 1))
+    trace = _drive_samples(s, {"wide": 6, "next": 2})
+    decode = [("wide", i, [t], 6, [0, 3 - i], True) for i, t in enumerate([101, 101, 101])]
+    assert trace[:3] == [
+        ([("wide", 0, [1, 2, 3, 4, 5, 6], 0, [0, 1], True), ("next", 0, [9, 9], 0, [2], True)], [], [], [], []),
+        (decode, [(1, 3), (1, 2)], [(2, 0)] if mode == "swap" else [], [], []),  # next gives way to the copies
+        ([("wide", i, [t], 7, [0, 3 - i], True) for i, t in enumerate([103, 104, 105])], [], [], [], []),
+    ]
+    # the 9th tokens: samples 2 then 1 give way (swapped out whole, their shared block 0 copied too)
+    gave_way = [(0, 1), (1, 2), (0, 3), (2, 4)] if mode == "swap" else []
+    assert trace[3] == ([("wide", 0, [106], 8, [0, 3, 1], True)], [], gave_way, [], [1, 2])
+    if mode == "recompute":
+        assert [t[0] for t in trace[4:]] == [
+            [("wide", 0, [109], 9, [0, 3, 1], True)],
+            [("wide", 0, [110], 10, [0, 3, 1], True)],  # sample 0 ends: its blocks go back
+            [("wide", 1, [107], 8, [0, 2, 1], True)],  # back: its first 8 tokens are prefix hits
+            [("wide", 1, [112], 9, [0, 2, 1], True)],
+            [("wide", 1, [113], 10, [0, 2, 1], True)],
+            # sample 2's own block was reused by sample 0: it recomputes from token 4; next goes at last
+            [("wide", 2, [5, 6, 101, 105, 108], 4, [0, 3, 1], True), ("next", 0, [9, 9, 102], 0, [2], True)],
+            [("wide", 2, [115], 9, [0, 3, 1], True)],
+            [("wide", 2, [117], 10, [0, 3, 1], True)],
+        ]
+        assert (s.num_preemptions, s.num_swapped_out) == (3, 0)
+    else:
+        assert [(t[0], t[3]) for t in trace[4:7]] == [
+            ([("wide", 0, [109], 9, [0, 3, 1], True), ("next", 0, [102], 2, [2], True)], [(0, 2)]),  # swapped first
+            ([("wide", 0, [110], 10, [0, 3, 1], True)], []),
+            ([("wide", 1, [107], 8, [2, 1, 3], True)], [(3, 2), (4, 1)]),
+        ]
+        assert trace[9][3] == [(1, 0), (2, 3)] and len(trace) == 12
+        assert (s.num_preemptions, s.num_swapped_out) == (3, 3)
+    assert_empty(s)
