@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-slow lint bench install clean
+.PHONY: run test test-kinds test-slow lint bench install clean
 
 run: $(STAMP)
 	$(VENV)/bin/kvpage demo
@@ -16,6 +16,19 @@ test: $(STAMP)
 	$(PY) -m ruff check kvpage tests benchmarks
 	$(PY) -m ruff format --check kvpage tests benchmarks
 	$(PY) -m pytest -q --durations=12
+
+# The other CPU kinds' paths on this machine (KVPAGE_CPU_KIND, kvpage/cpu_kind.py): the model, kernel,
+# engine-equivalence and server tests again under every kind below this machine's own, as each kind builds
+# its kernels and chooses its LinearPolicy and dtype="auto" (nothing to do on an AVX2-only machine).
+KIND_TESTS := tests/models tests/ops tests/test_cpu_kind.py tests/engine/test_greedy_equivalence.py \
+	tests/engine/test_deterministic.py tests/server/test_openai_client.py tests/server/test_deterministic_server.py
+test-kinds: $(STAMP)
+	@kinds=$$($(PY) -c "from kvpage import cpu_kind; print(*cpu_kind.runnable_kinds()[:-1])"); \
+	echo "this machine: $$($(PY) -c "from kvpage import cpu_kind; print(cpu_kind.machine()[0])"); emulated: $${kinds:-none}"; \
+	for kind in $$kinds; do \
+		echo "== KVPAGE_CPU_KIND=$$kind"; \
+		KVPAGE_CPU_KIND=$$kind $(PY) -m pytest -q $(KIND_TESTS) || exit 1; \
+	done
 
 # The long versions: the scheduler simulation over 20,000 seeded workloads (CI runs 1,000).
 test-slow: $(STAMP)

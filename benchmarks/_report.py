@@ -65,15 +65,19 @@ def machine() -> str:
 
 
 def cpu_capability() -> str:
-    """What the figures depend on: torch's vector ISA and whether bfloat16 is native (see dtype_choice)."""
+    """What the figures depend on: kvpage's CPU kind (kvpage/cpu_kind.py; emulated under KVPAGE_CPU_KIND),
+    torch's vector ISA and whether bfloat16 is native (see dtype_choice)."""
     try:
         import torch
 
+        from kvpage import cpu_kind
         from kvpage.models.dtype_choice import cpu_has_native_bf16
     except ImportError:
         return "capability unknown"
+    kind, native_kind = cpu_kind.machine()[0], cpu_kind.kind_of(cpu_kind.read_flags())
+    kind_note = f"kind {kind}" + (f" (emulated on {native_kind})" if kind != native_kind else "")
     native = "native bf16" if cpu_has_native_bf16() else "no native bf16"
-    return f"{torch.backends.cpu.get_cpu_capability()}, {native}"
+    return f"{kind_note}, {torch.backends.cpu.get_cpu_capability()}, {native}"
 
 
 def versions(*modules: str) -> str:

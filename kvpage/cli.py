@@ -59,6 +59,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    "'streaming[:sink_tokens=4,window_tokens=1020]' (StreamingLLM; runs past max_model_len) or "
                    "'h2o[:heavy_tokens=512,recent_tokens=512]' (default: none; a request's own overrides)")  # fmt: skip
     g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    g.add_argument("--deterministic", action="store_true",
+                   help="bit-identical tokens and logprobs whatever the batch, prefix hits or chunking "
+                        "(slower prefill)")  # fmt: skip
+    g.add_argument("--verify-kv-every", type=int, default=0, metavar="N",
+                   help="check the KV cache every N steps (finite values; with --deterministic a recompute "
+                        "of cached prefixes, bit for bit); mismatches are logged and counted in /metrics "
+                        "(default 0: never)")  # fmt: skip
     g.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
 
 
@@ -81,7 +88,8 @@ def _make_llm(args: argparse.Namespace):
               max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
               seed=args.seed, weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype,
               attention_backend=args.attention_backend, kv_eviction=args.kv_eviction,
-              block_size_lengths=args.block_size_lengths)  # fmt: skip
+              block_size_lengths=args.block_size_lengths, deterministic=args.deterministic,
+              verify_kv_every=args.verify_kv_every)  # fmt: skip
     if args.num_kv_blocks is not None:
         kw["num_kv_blocks"] = args.num_kv_blocks
     else:
@@ -123,7 +131,7 @@ def _print_stats(st, out=sys.stdout) -> None:
 def _demo(args) -> int:
     from kvpage.demo import run_demo
 
-    run_demo(model=args.model, dtype=args.dtype, max_tokens=args.max_tokens)
+    run_demo(model=args.model, dtype=args.dtype, max_tokens=args.max_tokens, deterministic=args.deterministic)
     return 0
 
 
@@ -333,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto, float32 or bfloat16 (default auto: bfloat16 where the CPU computes it natively, else float32)",
     )
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per answer at most (default 64)")
+    p.add_argument("--deterministic", action="store_true", help="the batch-invariant kernels (see kvpage serve -h)")
     p.set_defaults(func=_demo)
 
     p = sub.add_parser("core-demo", help="show the block core on synthetic requests (no model)",

@@ -58,6 +58,10 @@ class EngineConfig:
     # {length: count}, "LENGTH:COUNT,..." or a JSONL path; they also size the pool unless memory or blocks are given
     block_size_lengths: Any = None
     block_size_advice: Any = field(default=None, init=False)  # the Advice behind an "auto" block size
+    # every token and logprob bit-identical whatever the batch, the prefix hits, the chunking or the
+    # preemption (kvpage/models/batch_invariant.py); CPU kernels, float32 / bfloat16, auto / int8 KV
+    deterministic: bool = False
+    verify_kv_every: int = 0  # check the KV cache every N steps (engine/kv_verifier.py); 0: never
 
     def __post_init__(self) -> None:
         self._resolve_block_size()
@@ -65,6 +69,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        v = self.verify_kv_every
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"verify_kv_every must be an integer >= 0 (steps; 0 never checks), got {v!r}")
         if self.block_size > 1024 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two up to 1024, got {self.block_size}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
@@ -99,6 +106,28 @@ class EngineConfig:
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         self.kv_eviction = parse_eviction(self.kv_eviction)
+        self._check_deterministic()
+
+    def _check_deterministic(self) -> None:
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be true or false, got {self.deterministic!r}")
+        if not self.deterministic:
+            return
+        clashes = [
+            (self.device.split(":")[0] != "cpu", f"device={self.device!r}: it runs on the CPU kernels"),
+            (self.attention_backend not in ("auto", "cpu"),
+             f"attention_backend={self.attention_backend!r}: it needs the 'cpu' kernels"),
+            (self.kv_cache_dtype == "fp8", "kv_cache_dtype='fp8': fp8 blocks are read by the torch path"),
+            (self.weight_dtype is not None,
+             f"weight_dtype={self.weight_dtype!r}: the quantized kernel sums 1-4 rows and more in two orders"),
+            (self.dtype in ("float16", "fp16", "half"),
+             f"dtype={self.dtype!r}: the kernels compute float32 and bfloat16"),
+            (getattr(self.kv_eviction, "name", None) == "h2o",
+             "kv_eviction h2o: its attention mass takes the torch path"),
+        ]  # fmt: skip
+        for clash, why in clashes:
+            if clash:
+                raise ValueError(f"deterministic=True does not go with {why}")
 
     def _resolve_block_size(self) -> None:
         if self.block_size != "auto":

@@ -29,11 +29,11 @@ def _peak(stats: CacheStats, peak: CacheStats | None) -> CacheStats:
     return stats if peak is None or stats.used_blocks > peak.used_blocks else peak
 
 
-def run_demo(model: str = "smollm2", dtype: str = "auto", max_tokens: int = 64) -> None:
+def run_demo(model: str = "smollm2", dtype: str = "auto", max_tokens: int = 64, deterministic: bool = False) -> None:
     from kvpage import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model, dtype=dtype, kv_cache_memory="128MiB", enable_prefix_caching=True)
+    llm = LLM(model, dtype=dtype, kv_cache_memory="128MiB", enable_prefix_caching=True, deterministic=deterministic)
     engine = llm.llm_engine
     tok = llm.get_tokenizer()
     pool = engine.kv_manager.pool

@@ -32,6 +32,10 @@ class CpuPagedBackend(TorchReferenceBackend):
 
     def __init__(self) -> None:
         super().__init__()
+        # Prefill chunks after cached context of up to this many queries run as decodes; None: every
+        # chunk, with context or without (the batch-invariant mode: each query then attends its keys
+        # in one order, from the cache, whatever the chunking, the batch or the prefix hits).
+        self.decode_chunks_up_to: int | None = SHORT_CHUNK
         if not load():
             raise RuntimeError(f"the 'cpu' attention backend needs kvpage's CPU kernels: {unavailable_reason()}")
         ops = torch.ops.kvpage
@@ -55,7 +59,9 @@ class CpuPagedBackend(TorchReferenceBackend):
     def prefill_chunk(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> None:
         m, n = q.shape[0], meta.seq_lens_list[i]
         wants_mass = meta.block_mass is not None and meta.want_mass[i]
-        if not _kernel_reads(kv, q.dtype) or m == n or m > SHORT_CHUNK or wants_mass:
+        limit = self.decode_chunks_up_to
+        as_decodes = limit is None or (m < n and m <= limit)
+        if not _kernel_reads(kv, q.dtype) or not as_decodes or wants_mass:
             return super().prefill_chunk(out, q, k, v, kv, meta, i, scale)
         # query r sits at position n - m + r and sees the keys 0 .. n - m + r: a decode of that length
         tables = meta.block_tables[i : i + 1].expand(m, -1)

@@ -84,6 +84,19 @@ class PrefixCache:
             return None
         return block
 
+    def chain(self, block: Block) -> list[Block] | None:
+        """The registered blocks from the first of `block`'s prefix down to `block` itself, or None
+        when one of them is no longer registered (its tokens are then unknown here)."""
+        out = [block]
+        while out[-1].cache_key is not None and out[-1].cache_key.parent is not None:
+            parent = self._blocks.get(out[-1].cache_key.parent)
+            if parent is None:
+                return None
+            out.append(parent)
+        if out[-1].cache_key is None:
+            return None
+        return out[::-1]
+
     def register(self, block: Block, key: CacheKey) -> bool:
         """Register `block` under `key`. False (and nothing changes) when another block already
         holds that content: the duplicate simply stays unregistered and is reused as a plain block."""

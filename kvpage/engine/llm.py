@@ -33,6 +33,11 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def verify_kv_cache(self, sample: int = 4):
+        """The KV cache checked: every used block finite and in range; in deterministic mode also
+        `sample` cached prefix chains recomputed and compared bit for bit. A KVVerifyReport."""
+        return self.llm_engine.verify_kv_cache(sample)
+
     def cache_stats(self) -> CacheStats:
         return self.llm_engine.cache_stats()
 

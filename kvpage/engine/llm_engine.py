@@ -14,6 +14,7 @@ only the requests it concerns (the whole batch if the model raised, else the one
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 
@@ -27,8 +28,10 @@ from kvpage.core.scheduler import Scheduler
 from kvpage.core.scheduler_output import SchedulerOutput
 from kvpage.core.step_update import RequestUpdate, SeqUpdate, StepResult
 from kvpage.engine.beam_search import BeamSearch
+from kvpage.engine.kv_verifier import KVVerifyReport, verify_kv_cache
 from kvpage.engine.output_processor import OutputProcessor, RequestState
 from kvpage.models import choose_dtype, load_model, parse_dtype
+from kvpage.models.batch_invariant import make_batch_invariant
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams
 from kvpage.worker.gpu_memory import profile_kv_budget
@@ -37,6 +40,7 @@ from kvpage.worker.model_runner import ModelRunner, ModelRunnerOutput
 from kvpage.worker.sampler import SamplingRow, sample
 
 DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
+_log = logging.getLogger("kvpage")
 
 
 def describe_kernels(chosen: str, asked: str) -> str:
@@ -64,10 +68,14 @@ class LLMEngine:
                             weight_dtype=config.weight_dtype)  # fmt: skip
         if loaded.tokenizer is None:
             raise ValueError(f"model {config.model!r} has no tokenizer; kvpage needs one to serve text")
+        if config.deterministic:
+            make_batch_invariant(loaded.model)
         self.model_config = loaded.config
         self.kernels = describe_kernels(loaded.model.attention_backend.name, config.attention_backend)
         if config.weight_dtype:
             self.kernels += f"; {config.weight_dtype} weights"
+        if config.deterministic:
+            self.kernels += "; deterministic (batch-invariant kernels)"
         if config.kv_cache_dtype != "auto":
             torch_path = config.kv_cache_dtype == "fp8" and self.kernels != "torch reference"
             self.kernels += f"; {config.kv_cache_dtype} KV cache" + (
@@ -134,6 +142,9 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.num_steps = 0
         self.timings = {"schedule": 0.0, "execute": 0.0, "sample": 0.0}
+        self.num_kv_verified_blocks = 0  # counted by verify_kv_cache, read by /metrics
+        self.num_kv_mismatches = 0
+        self.last_kv_report = None
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -180,8 +191,13 @@ class LLMEngine:
             raise ValueError(f"logit_bias: token id {bad_bias[0]} is outside the vocabulary [0, {vocab})")
         want_plp = not is_beam and params.prompt_logprobs is not None
         eviction = self.config.kv_eviction if params.kv_eviction is None else parse_eviction(params.kv_eviction)
+        if self.config.deterministic and eviction is not None and eviction.name == "h2o":
+            raise ValueError(
+                "kv_eviction: h2o does not go with deterministic=True (its attention mass takes the torch path)"
+            )
         req = Request(request_id, ids, self._arrivals, cache_salt=cache_salt, use_prefix_cache=not want_plp,
-                      want_prompt_logprobs=want_plp, width=width, eviction=eviction)  # fmt: skip
+                      want_prompt_logprobs=want_plp, width=width, eviction=eviction,
+                      independent=not is_beam and width > 1 and eviction is None)  # fmt: skip
         self._arrivals += 1
         eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
         extra_stops = set() if is_beam else set(params.stop_token_ids or ())
@@ -232,6 +248,16 @@ class LLMEngine:
 
     def cache_stats(self) -> CacheStats:
         return self.kv_manager.stats()
+
+    def verify_kv_cache(self, sample: int = 4) -> KVVerifyReport:
+        """Check the blocks in use (finite, in range) and, in deterministic mode, recompute `sample`
+        cached prefix chains and compare them bit for bit (engine/kv_verifier.py). Between steps only."""
+        if isinstance(sample, bool) or not isinstance(sample, int) or sample < 0:
+            raise ValueError(f"sample must be an integer >= 0, got {sample!r}")
+        self.last_kv_report = report = verify_kv_cache(self, sample)
+        for m in report.mismatches:
+            _log.warning("KV cache check: %s", m)
+        return report
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
@@ -302,6 +328,8 @@ class LLMEngine:
                 self._states.pop(out.request_id, None)
         t3 = time.perf_counter()
         self.num_steps += 1
+        if self.config.verify_kv_every and self.num_steps % self.config.verify_kv_every == 0:
+            self.verify_kv_cache()
         self.timings["schedule"] += t1 - t0
         self.timings["execute"] += t2 - t1
         self.timings["sample"] += t3 - t2

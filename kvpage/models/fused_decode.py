@@ -60,7 +60,7 @@ class FusedDecode:
         return torch.ops.kvpage.decode_layers(
             x, cos, sin, flat, bits, bias, *caches, meta.block_tables, meta.seq_lens, meta.slot_mapping,
             self.model.norm.weight, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, attn.scale,
-            0 < rows <= limit,
+            0 < rows <= limit, ops.policy.one_order,
         )  # fmt: skip
 
     def _layer_weights(self):

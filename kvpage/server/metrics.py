@@ -73,6 +73,10 @@ class _EngineCollector:
                             st.tier_hit_tokens)  # fmt: skip
         yield self._counter("kvpage:evicted_tokens", "tokens released by eviction policies (StreamingLLM, H2O)",
                             st.evicted_tokens)  # fmt: skip
+        yield self._counter("kvpage:kv_verify_blocks", "KV-cache blocks checked by --verify-kv-every",
+                            engine.num_kv_verified_blocks)  # fmt: skip
+        yield self._counter("kvpage:kv_verify_mismatches", "KV-cache check failures (bad values, or a recompute "
+                            "that differs in deterministic mode)", engine.num_kv_mismatches)  # fmt: skip
         tier = GaugeMetricFamily("kvpage:cpu_tier_blocks", "blocks of the prefix cache's CPU tier by state",
                                  labels=["model_name", "state"])  # fmt: skip
         tier.add_metric([model, "cached"], st.tier_cached_blocks)

@@ -25,7 +25,7 @@ def replay(engine, requests: list[tuple[str, list[int], int, list[int]]]) -> Sch
                       max_model_len=engine.max_model_len, preemption_mode=cfg.preemption_mode)  # fmt: skip
     plans = {}
     for i, (rid, prompt, n, tokens) in enumerate(requests):
-        sched.add_request(Request(rid, list(prompt), i, width=n))
+        sched.add_request(Request(rid, list(prompt), i, width=n, independent=n > 1))  # samples, as the engine's
         plans[rid] = (n, tokens)
     while sched.has_unfinished():
         out = sched.schedule()

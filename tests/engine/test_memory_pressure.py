@@ -1,8 +1,9 @@
 """Requests with several sequences under memory pressure, on the real model (float32, greedy).
 
 Parallel samples and beams in tiny pools, preempted by recompute or by swap, must give transformers'
-tokens; requests arriving together share their common prefix; a request that can never fit fails
-alone while the others are served; the scheduler's preemption counts equal a model-free replay's.
+tokens; parallel samples give way one by one, so they finish wherever one sample fits; requests
+arriving together share their common prefix; a request that can never fit fails alone while the
+others are served; the scheduler's preemption counts equal a model-free replay's.
 """
 
 from __future__ import annotations
@@ -80,12 +81,11 @@ def test_six_requests_arriving_together_store_their_system_prompt_once(hf_f32):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_a_request_that_can_never_fit_fails_alone_and_the_others_are_served(prompts, hf_f32_greedy, mode):
-    # 10 blocks: each request alone fits its prompt, but not its 16 samples or 8 beams as they grow
+    # 10 blocks: the beams' prompt fits, but not 8 beams as they grow (a gang: they move together);
+    # 16 parallel samples run a few at a time (each sample alone fits) and all finish
     llm = make_pressed_llm(10, mode, "64MiB", max_model_len=160)
     engine = llm.llm_engine
-    engine.add_request(
-        "wide", prompts[1], SamplingParams(n=16, temperature=0.8, seed=3, max_tokens=100, ignore_eos=True)
-    )
+    engine.add_request("wide", prompts[1], SamplingParams(n=16, temperature=0.8, seed=3, max_tokens=8, ignore_eos=True))
     engine.add_request("beams", prompts[3], BeamSearchParams(beam_width=8, max_tokens=100, ignore_eos=True))
     engine.add_request("small", prompts[4], greedy(8))
     outs = {}
@@ -96,9 +96,28 @@ def test_a_request_that_can_never_fit_fails_alone_and_the_others_are_served(prom
             if o.finished:
                 outs[o.request_id] = o
     assert not engine.has_unfinished_requests()  # nothing hangs, nothing livelocks between swap-out and in
-    for rid, k in (("wide", 16), ("beams", 8)):
-        assert outs[rid].error.startswith(f"request {rid!r} can never fit: its {k} sequences need")
+    assert outs["beams"].error.startswith("request 'beams' can never fit: its 8 sequences need")
+    assert outs["wide"].error is None and [len(c.token_ids) for c in outs["wide"].outputs] == [8] * 16
+    assert outs["wide"].metrics["num_preemptions"] > 0
     assert outs["small"].error is None and outs["small"].outputs[0].token_ids == hf_f32_greedy[4][0][:8]
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize("mode", [None, "recompute", "swap"])
+def test_parallel_samples_finish_where_one_sample_fits_preempted_one_by_one(prompts, hf_f32, mode):
+    """vLLM's outcome: n = 3 samples of 40 tokens on a 41-token prompt in 10 blocks of 16 (they need
+    3 + 3 x 3 = 12 blocks at the end together). As a gang this failed after 24 tokens; as independent
+    samples the newest one gives way, comes back through the prefix cache or the CPU pool, and all
+    three end with transformers' tokens. The counts are those of a model-free replay."""
+    prompt = (prompts[7] * 2)[:41]
+    llm = make_pressed_llm(10, mode, "32MiB")
+    out = llm.generate([prompt], greedy(40, n=3), use_tqdm=False)[0]
+    expected = hf_greedy(hf_f32, prompt, 40)[0]
+    assert out.error is None and [c.token_ids for c in out.outputs] == [expected] * 3
+    sched = llm.llm_engine.scheduler
+    model = replay(llm.llm_engine, [("r0", prompt, 3, expected)])
+    assert sched.num_preemptions == model.num_preemptions == out.metrics["num_preemptions"] > 0
+    assert sched.num_swapped_out == model.num_swapped_out and (model.num_swapped_out > 0) == (mode == "swap")
     assert_clean(llm)
 
 
