@@ -12,6 +12,10 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
+from kvpage import cpu_kind as _cpu_kind  # noqa: E402 - torch-free; must precede torch (KVPAGE_CPU_KIND)
+
+_cpu_kind.apply_torch_env()
+
 _EXPORTS = {
     "LLM": "kvpage.engine.llm",
     "LLMEngine": "kvpage.engine.llm_engine",

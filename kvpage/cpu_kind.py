@@ -11,7 +11,8 @@ go to our kernels, which to torch's GEMM) and `dtype="auto"` (bfloat16 only with
 environment variable KVPAGE_CPU_KIND=<kind> makes all three take that kind's choices on a machine of a
 higher kind, so one machine can run the other kinds' paths; a kind the CPU cannot execute is refused.
 torch's own kernels are pointed at the same kind (`torch_env`: ATen's dispatch, oneDNN, MKL), which
-must happen before torch starts: `apply_torch_env()` is called by the test suite's conftest first thing.
+must happen before torch starts: `import kvpage` calls `apply_torch_env()` (so do the CLI, the
+benchmarks and the test suite, which import kvpage before torch) and warns when torch came first.
 
 No torch here: the flags come from /proc/cpuinfo, so `kvpage.ops.build` and the tests read them cheaply.
 """
@@ -19,6 +20,8 @@ No torch here: the flags come from /proc/cpuinfo, so `kvpage.ops.build` and the 
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 from pathlib import Path
 
 KINDS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
@@ -124,6 +127,9 @@ def apply_torch_env() -> str | None:
     flags = read_flags()
     chosen, _ = effective(flags, kind)  # refuses a kind the CPU cannot run, before anything else happens
     if chosen != kind_of(flags):
+        if "torch" in sys.modules:
+            why = "so torch's own kernels keep this machine's kind (kvpage's take the one asked for)"
+            warnings.warn(f"{ENV}={kind}: torch was imported before kvpage, {why}", stacklevel=2)
         for name, value in torch_env(kind).items():
             os.environ.setdefault(name, value)
     return kind

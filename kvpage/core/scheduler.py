@@ -134,14 +134,18 @@ class Scheduler:
                 continue
             need = self._blocks_to_grow(req, plan)
             while plan and need > self.kv.pool.num_free and req.status is RequestStatus.RUNNING:
-                victim = self.running[-1]  # the most recently admitted; maybe req itself
+                # the most recently admitted request that holds GPU blocks (maybe req itself); one whose
+                # samples are all parked holds none: preempting it would free nothing
+                holders = [r for r in self.running if r.resident_sequences]
+                victim = holders[-1]
                 if victim.independent and len(victim.resident_sequences) > 1:
                     self._park(victim, out)  # one sample goes, its siblings run on
-                elif victim is req and len(self.running) == 1:  # nothing else holds blocks: it can never go on
+                elif victim is req and len(holders) == 1:  # nothing else holds blocks: it can never go on
                     self._fail(req, self._never_fits(req, need))
                     break
                 else:
-                    self._preempt(self.running.pop(), out)
+                    self.running.remove(victim)
+                    self._preempt(victim, out)
                 preempted = True
                 if victim is req and req.status is RequestStatus.RUNNING:
                     plan = self._plan(req, budget)
@@ -274,11 +278,17 @@ class Scheduler:
     def _resume_parked(self, budget: int, out: SchedulerOutput) -> tuple[int, bool]:
         """Parked samples back, oldest request first, while they fit beside everyone running
         (swapped ones swapped in, freed ones admitted again: the blocks their siblings hold are hits).
-        Returns the budget left and whether every parked sample is back."""
+        Returns the budget left and whether every parked sample is back. A sample waits while a
+        sibling is still computing its prompt (it would recompute what the sibling is about to
+        register as hits)."""
+        all_back = True
         for req in list(self.running):
             for seq in [s for s in req.live_sequences if s.parked]:
                 if budget <= 0 or self.num_running_seqs() >= self.max_num_seqs:
                     return budget, False
+                if any(s.num_uncomputed > 1 for s in req.resident_sequences):
+                    all_back = False
+                    break
                 keep = self.num_running_seqs() > 0
                 if self.kv.has_sequence(seq.key):  # swapped out
                     if not self.kv.can_swap_in([seq.key], keep_watermark=keep):
@@ -292,6 +302,9 @@ class Scheduler:
                     adm = self.kv.check_admission([seq.token_ids], req.cache_salt, use_prefix_cache=cached,
                                                   keep_watermark=keep)  # fmt: skip
                     if adm.status is AdmissionStatus.NEVER:
+                        if req.resident_sequences:  # (they may run in this step: fail it once they end)
+                            all_back = False
+                            break
                         why = f"sample {seq.index}: {adm.reason}"
                         self._fail(req, f"request {req.request_id!r} can never fit: {why}")
                         break
@@ -304,7 +317,7 @@ class Scheduler:
                 n = min(seq.num_uncomputed, budget)
                 if n > 0 and self._blocks_to_grow(req, [(seq, n)]) <= self.kv.pool.num_free:
                     budget -= self._schedule_seq(req, seq, n, out)
-        return budget, True
+        return budget, all_back
 
     def _swap_in(self, budget: int, out: SchedulerOutput) -> int:
         """Bring swapped requests back, oldest first, and run them in this step when their next tokens
@@ -312,7 +325,7 @@ class Scheduler:
         while self.swapped:
             req = self.swapped[0]
             live = [s.key for s in req.resident_sequences]
-            if not self.kv.can_swap_in(live, keep_watermark=bool(self.running)):
+            if not self.kv.can_swap_in(live, keep_watermark=self.num_running_seqs() > 0):
                 return budget
             if self.running and self.num_running_seqs() + max(len(live), req.width) > self.max_num_seqs:
                 return budget

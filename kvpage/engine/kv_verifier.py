@@ -53,30 +53,37 @@ class KVVerifyReport:
 
 def verify_kv_cache(engine, sample: int = 4, seed: int = 0) -> KVVerifyReport:
     """Range-check every used block; in deterministic mode recompute `sample` cached chains too."""
-    kv, cache = engine.kv_manager, engine.kv_cache
+    kv, cache, bs = engine.kv_manager, engine.kv_cache, engine.kv_cache.block_size
     holders: dict[int, list[str]] = {}
+    written: dict[int, int] = {}  # slots of a block whose KV some step wrote (allocated slots may be stale)
     for seq_id in kv.seq_ids():
         if kv.is_swapped(seq_id):
             continue
-        for b in kv.block_table(seq_id):
+        req = engine.scheduler.requests.get(seq_id.request_id)
+        computed = req.sequences[seq_id.index].num_computed if req is not None else 0
+        for j, b in enumerate(kv.block_table(seq_id)):
             if b >= 0:
                 holders.setdefault(b, []).append(f"{seq_id.request_id}#{seq_id.index}")
+                written[b] = max(written.get(b, 0), min(bs, max(0, computed - j * bs)))
     pool = kv.pool
     cached = [b for _, b in kv.prefix_cache.items()] if kv.prefix_cache is not None else []
+    for b in cached:  # a registered block is full and written
+        written[b.block_id] = pool.blocks[b.block_id].num_tokens
     used = sorted(set(holders) | {b.block_id for b in cached})
     report = KVVerifyReport(blocks_checked=len(used))
     if used:
-        filled = torch.tensor([pool.blocks[b].num_tokens for b in used])
+        filled = torch.tensor([written.get(b, 0) for b in used])
         for layer, lkv in enumerate(cache.layers):
             for block_id, detail in _out_of_range(lkv, used, filled):
                 report.mismatches.append(KVMismatch(block_id, layer, "range", tuple(holders.get(block_id, ())), detail))
     if engine.config.deterministic and sample > 0 and cached:
-        chains = [c for c in (kv.prefix_cache.chain(b) for b in cached) if c is not None]
-        longest = {tuple(x.block_id for x in c): c for c in chains}  # a chain inside a longer one is covered by it
-        leaves = [c for ids, c in longest.items() if not any(o[: len(ids)] == ids and o != ids for o in longest)]
+        # the ends of chains (no registered block continues them): their chains cover every other block
+        parents = {b.cache_key.parent for b in cached}
+        leaves = [b for b in cached if b.cache_key.digest not in parents]
         random.Random(seed).shuffle(leaves)
+        chains = [c for c in (kv.prefix_cache.chain(b) for b in leaves[:sample]) if c is not None]
         compared: set[int] = set()  # a block shared by several chains is compared once
-        for chain in leaves[:sample]:
+        for chain in chains:
             fresh = [i for i, b in enumerate(chain) if b.block_id not in compared]
             compared.update(chain[i].block_id for i in fresh)
             report.blocks_recomputed += len(fresh)
@@ -93,10 +100,16 @@ def _out_of_range(lkv, ids: list[int], filled: torch.Tensor):
     index = torch.tensor(ids, device=lkv.k.device)
     bs = lkv.k.shape[2]
     mask = torch.arange(bs)[None, :] < filled[:, None]  # [blocks, slots]
-    for name, t in (("K", lkv.k), ("V", lkv.v)):
+    for name, t in zip(("K", "V"), lkv.tensors()[:2], strict=True):  # (fp8 as its bytes: torch cannot index it)
         x = t.index_select(0, index).cpu()  # [blocks, kv_heads, block_size, head_dim]
-        # [blocks, slots]: a value that is not finite (int8: a level outside the quantizer's -127..127)
-        bad = (x == -128).any(-1).any(1) if lkv.kind == "int8" else ~torch.isfinite(x.float()).all(-1).all(1)
+        # [blocks, slots]: a value that is not finite (int8: a level outside the quantizer's -127..127;
+        # fp8 e4m3fn: the NaN bytes 0x7f / 0xff, it has no infinity)
+        if lkv.kind == "int8":
+            bad = (x == -128).any(-1).any(1)
+        elif lkv.kind == "fp8":
+            bad = ((x & 0x7F) == 0x7F).any(-1).any(1)
+        else:
+            bad = ~torch.isfinite(x).all(-1).all(1)
         if lkv.quantized:
             scale = (lkv.k_scale if name == "K" else lkv.v_scale).index_select(0, index).cpu()
             bad = bad | ~(torch.isfinite(scale) & (scale >= 0)).all(1)

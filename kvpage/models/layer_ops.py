@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvpage.cpu_kind import kind_of
 from kvpage.models.dtype_choice import cpu_flags, cpu_has_native_bf16
 from kvpage.models.weight_quant import QuantizedWeight
 from kvpage.ops import KERNEL_DTYPES
@@ -45,6 +46,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # Measured (SmolLM2-135M's linears and lm_head, 2 cores):
 #   AVX2, no native bf16 (AMD EPYC): float32 1.8x torch at 1 row, 1.2x at 64, 0.7x at 256; bfloat16
 #     4-6x torch at every size (torch emulates bfloat16 there); quantized float32 wins up to 64 rows.
+#   AVX-512 + AVX512_BF16 without AMX (AMD EPYC Zen 5, kind avx512_bf16): torch's float32 GEMM runs
+#     2.8x slower than the kernel at 1 row, 1.4x at 32-64, 1.14x at 128 (one stream float32: 26 -> 60
+#     tokens/s with the kernel), so the kernel takes float32 up to 128 rows there.
 #   AVX-512 + AMX (Sapphire Rapids): torch's float32 GEMM (16 wide) ties at 1 row (wins 1.3x on the
 #     lm_head) and wins above; torch's bfloat16 GEMM runs on AMX tiles with a ~60-100 us floor per
 #     call: the kernel (VDPBF16PS there) wins at 1-4 rows (2.2-4x at 1), torch from 6 (27x at 256);
@@ -66,8 +70,9 @@ class LinearPolicy:
     def for_cpu(flags: set[str] | None = None) -> LinearPolicy:
         flags = cpu_flags() if flags is None else flags  # under KVPAGE_CPU_KIND, that kind's flags
         avx512, native_bf16 = "avx512f" in flags, cpu_has_native_bf16(flags)
+        f32 = 128 if kind_of(flags) == "avx512_bf16" else 0 if avx512 else 64
         return LinearPolicy(
-            plain={torch.float32: 0 if avx512 else 64, torch.bfloat16: 4 if native_bf16 else UNLIMITED},
+            plain={torch.float32: f32, torch.bfloat16: 4 if native_bf16 else UNLIMITED},
             quantized={torch.float32: 16 if avx512 else 64, torch.bfloat16: 16 if native_bf16 else UNLIMITED},
         )
 

@@ -55,16 +55,16 @@ def test_prompts_per_request_are_capped_and_all_abort_when_the_client_leaves():
 
 
 def test_one_request_with_many_prompts_does_not_hold_up_the_next():
-    """A batch of at most 4 sequences: a 24-prompt request runs two at a time, so a request sent
+    """A batch of at most 4 sequences: a 12-prompt request runs two at a time, so a request sent
     after it is scheduled beside it and answered long before it ends (without the window it waited
-    behind all 24)."""
+    behind all 12)."""
     s = start_server(max_num_seqs=4)
     try:
         done: list[str] = []
 
         async def big(client):
-            await client.post("/v1/completions", json={"model": "smollm2", "prompt": [f"Tale {i}:" for i in range(24)],
-                                                       "max_tokens": 12, "ignore_eos": True})  # fmt: skip
+            await client.post("/v1/completions", json={"model": "smollm2", "prompt": [f"Tale {i}:" for i in range(12)],
+                                                       "max_tokens": 8, "ignore_eos": True})  # fmt: skip
             done.append("big")
 
         async def small(client):

@@ -89,12 +89,12 @@ def test_sixteen_concurrent_streaming_clients(server):
     prompts = [f"Write one sentence about the number {i}." for i in range(16)]
     sync = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
     expected = [sync.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": p}],
-                                             max_tokens=24, temperature=0).choices[0].message.content
+                                             max_tokens=12, temperature=0).choices[0].message.content
                 for p in prompts]  # fmt: skip
 
     async def one(client, p):
         stream = await client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": p}],
-                                                      max_tokens=24, temperature=0, stream=True)  # fmt: skip
+                                                      max_tokens=12, temperature=0, stream=True)  # fmt: skip
         return "".join([ch.delta.content or "" async for chunk in stream for ch in chunk.choices])
 
     async def main():

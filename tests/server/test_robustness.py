@@ -121,16 +121,16 @@ def test_metrics_have_vllms_names_and_units_and_move(server):
 
 
 def test_a_request_that_can_never_fit_fails_alone_and_the_server_keeps_answering():
-    """`kvpage serve --num-kv-blocks 45`, a beam search 16 wide with max_tokens 600 (beams move as a
+    """`kvpage serve --num-kv-blocks 20`, a beam search 16 wide with max_tokens 300 (beams move as a
     gang, unlike parallel samples): that request gets a 400 naming why, while a request sent at the
     same time is served and later ones are too."""
-    s = start_server(num_kv_blocks=45, max_model_len=720)
+    s = start_server(num_kv_blocks=20, max_model_len=320)
     try:
         client = openai.AsyncOpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
 
         async def wide():
             try:
-                await client.completions.create(model="smollm2", prompt="Once upon a time", n=16, max_tokens=600,
+                await client.completions.create(model="smollm2", prompt="Once upon a time", n=16, max_tokens=300,
                                                 temperature=0, extra_body={"ignore_eos": True,
                                                                            "use_beam_search": True})  # fmt: skip
             except openai.BadRequestError as e:

@@ -65,6 +65,6 @@ def test_the_engine_takes_the_advice_block_size_and_pool_and_stays_exact(prompts
     st = llm.cache_stats()
     assert st.block_size == advice.best.block_size >= 64 and st.total_blocks == advice.best.blocks
     outs = llm.generate(four, greedy(48), use_tqdm=False)
-    for out, (expected, _) in zip(outs, hf_f32_greedy, strict=False):
-        assert out.outputs[0].token_ids == expected[:48]
+    for out, (expected, _) in zip(outs, hf_f32_greedy, strict=False):  # (the oracle holds 32 tokens)
+        assert len(out.outputs[0].token_ids) == 48 and out.outputs[0].token_ids[:32] == expected[:32]
     assert_clean(llm)
