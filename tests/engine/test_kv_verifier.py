@@ -85,3 +85,13 @@ def test_int8_levels_out_of_range_and_the_check_every_n_steps():
         llm.verify_kv_cache(sample=-1)
     with pytest.raises(ValueError, match="^verify_kv_every must be an integer >= 0"):
         _llm(verify_kv_every=-3)
+
+
+def test_fp8_blocks_are_range_checked_by_their_bytes():
+    llm = _llm(kv_cache_dtype="fp8")
+    llm.generate(_chats(llm)[:1], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert llm.verify_kv_cache().ok
+    block = _cached_block(llm)
+    llm.llm_engine.kv_cache.layers[4].v.view(torch.uint8)[block, 2, 5, 9] = 0x7F  # e4m3fn's NaN
+    report = llm.verify_kv_cache()
+    assert [(m.block_id, m.layer, m.check) for m in report.mismatches] == [(block, 4, "range")]
