@@ -122,7 +122,7 @@ class EngineConfig:
              f"weight_dtype={self.weight_dtype!r}: the quantized kernel sums 1-4 rows and more in two orders"),
             (self.dtype in ("float16", "fp16", "half"),
              f"dtype={self.dtype!r}: the kernels compute float32 and bfloat16"),
-            (getattr(self.kv_eviction, "name", None) == "h2o",
+            (getattr(self.kv_eviction, "wants_mass", False),
              "kv_eviction h2o: its attention mass takes the torch path"),
         ]  # fmt: skip
         for clash, why in clashes:

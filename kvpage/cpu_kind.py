@@ -19,6 +19,7 @@ No torch here: the flags come from /proc/cpuinfo, so `kvpage.ops.build` and the 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import warnings
@@ -54,17 +55,23 @@ _TORCH = {
 
 
 def read_flags(cpuinfo: str | None = None) -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (x86 "flags", arm64 "Features"); empty elsewhere."""
+    """The CPU's feature flags from `cpuinfo`, or from /proc/cpuinfo (x86 "flags", arm64 "Features";
+    read once per process); empty elsewhere."""
     if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return set()
+        return set(_proc_flags())
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
             return set(value.split())
     return set()
+
+
+@functools.cache
+def _proc_flags() -> frozenset[str]:
+    try:
+        return frozenset(read_flags(Path("/proc/cpuinfo").read_text()))
+    except OSError:
+        return frozenset()
 
 
 def kind_of(flags: set[str]) -> str:

@@ -37,6 +37,7 @@ class StreamingLLM:
     sink_tokens: int = 4
     window_tokens: int = 1020
     name = "streaming"
+    wants_mass = False  # scores nothing: the attention backend need not sum its softmax
     reposition = True  # sink keys are seen at cache positions (the paper's choice)
     unbounded = True  # no distance longer than the cache: it may run past max_model_len
 
@@ -70,6 +71,7 @@ class H2O:
     heavy_tokens: int = 512
     recent_tokens: int = 512
     name = "h2o"
+    wants_mass = True  # scored by the attention mass each block receives (a torch path in the backends)
     reposition = False  # H2O keeps the original positions
     unbounded = False  # ... so it stays within the model's context
 

@@ -219,7 +219,7 @@ class Scheduler:
                 return_logits=start + n == len(seq.token_ids),
                 prompt_logprobs=req.want_prompt_logprobs and start < seq.num_prompt_tokens,
                 num_evicted=num_evicted,
-                want_mass=req.eviction is not None and req.eviction.name == "h2o",
+                want_mass=req.eviction is not None and req.eviction.wants_mass,
             )
         )
         self._in_flight.add(req.request_id)
@@ -236,24 +236,35 @@ class Scheduler:
     def _preempt_mode(self) -> str:
         return self.preemption_mode or ("swap" if self.kv.cpu_pool.num_total else "recompute")
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _swapped_out(self, req: Request, seqs: list[Sequence], out: SchedulerOutput) -> bool:
+        """Count a preemption of `seqs`, and move their blocks to the CPU pool when the mode says swap
+        and it fits (blocks they share with sequences that stay are copied, and stay on the GPU too)."""
         req.num_preemptions += 1
         self.num_preemptions += 1
-        live = [s.key for s in req.resident_sequences]
-        if self._preempt_mode() == "swap":
-            pairs = self.kv.swap_out(live)
-            if pairs is not None:
-                out.swap_out.extend(pairs)
-                req.status = RequestStatus.SWAPPED
-                self.swapped.appendleft(req)
-                self.num_swapped_out += 1
-                self._in_flight.add(req.request_id)
-                return
-        for i, seq in enumerate(req.live_sequences):  # recompute: drop the KV, keep the tokens
-            if self.kv.has_sequence(seq.key):  # (a parked sample may hold swapped blocks)
-                self.kv.free(seq.key)
-            seq.num_computed = 0
-            seq.depends_on = None
+        if self._preempt_mode() != "swap":
+            return False
+        pairs = self.kv.swap_out([s.key for s in seqs])
+        if pairs is None:
+            return False
+        out.swap_out.extend(pairs)
+        self.num_swapped_out += 1
+        self._in_flight.add(req.request_id)
+        return True
+
+    def _drop(self, seq: Sequence) -> None:
+        """Recompute: free the sequence's blocks (GPU or swapped), keep its tokens."""
+        if self.kv.has_sequence(seq.key):
+            self.kv.free(seq.key)
+        seq.num_computed = 0
+        seq.depends_on = None
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        if self._swapped_out(req, req.resident_sequences, out):
+            req.status = RequestStatus.SWAPPED
+            self.swapped.appendleft(req)
+            return
+        for i, seq in enumerate(req.live_sequences):  # (a parked sample's swapped blocks go too)
+            self._drop(seq)
             seq.parked = req.independent and i > 0  # samples come back one by one after their lead
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
@@ -261,19 +272,9 @@ class Scheduler:
     def _park(self, req: Request, out: SchedulerOutput) -> None:
         """Preempt the last running sample of an independent request; the others go on."""
         seq = req.resident_sequences[-1]
-        req.num_preemptions += 1
-        self.num_preemptions += 1
         seq.parked = True
-        if self._preempt_mode() == "swap":
-            pairs = self.kv.swap_out([seq.key])  # blocks its siblings share stay on the GPU for them
-            if pairs is not None:
-                out.swap_out.extend(pairs)
-                self.num_swapped_out += 1
-                self._in_flight.add(req.request_id)
-                return
-        self.kv.free(seq.key)
-        seq.num_computed = 0
-        seq.depends_on = None
+        if not self._swapped_out(req, [seq], out):
+            self._drop(seq)
 
     def _resume_parked(self, budget: int, out: SchedulerOutput) -> tuple[int, bool]:
         """Parked samples back, oldest request first, while they fit beside everyone running

@@ -90,8 +90,6 @@ def verify_kv_cache(engine, sample: int = 4, seed: int = 0) -> KVVerifyReport:
             for block_id, layer, detail in _recompute(engine, chain, fresh):
                 report.mismatches.append(KVMismatch(block_id, layer, "recompute", tuple(holders.get(block_id, ())),
                                                     detail))  # fmt: skip
-    engine.num_kv_verified_blocks += report.blocks_checked
-    engine.num_kv_mismatches += len(report.mismatches)
     return report
 
 

@@ -143,8 +143,7 @@ class LLMEngine:
         self.num_steps = 0
         self.timings = {"schedule": 0.0, "execute": 0.0, "sample": 0.0}
         self.num_kv_verified_blocks = 0  # counted by verify_kv_cache, read by /metrics
-        self.num_kv_mismatches = 0
-        self.last_kv_report = None
+        self.num_kv_mismatches = 0  # (a periodic check that could not run counts as one)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -191,7 +190,7 @@ class LLMEngine:
             raise ValueError(f"logit_bias: token id {bad_bias[0]} is outside the vocabulary [0, {vocab})")
         want_plp = not is_beam and params.prompt_logprobs is not None
         eviction = self.config.kv_eviction if params.kv_eviction is None else parse_eviction(params.kv_eviction)
-        if self.config.deterministic and eviction is not None and eviction.name == "h2o":
+        if self.config.deterministic and eviction is not None and eviction.wants_mass:
             raise ValueError(
                 "kv_eviction: h2o does not go with deterministic=True (its attention mass takes the torch path)"
             )
@@ -254,7 +253,9 @@ class LLMEngine:
         cached prefix chains and compare them bit for bit (engine/kv_verifier.py). Between steps only."""
         if isinstance(sample, bool) or not isinstance(sample, int) or sample < 0:
             raise ValueError(f"sample must be an integer >= 0, got {sample!r}")
-        self.last_kv_report = report = verify_kv_cache(self, sample, seed)
+        report = verify_kv_cache(self, sample, seed)
+        self.num_kv_verified_blocks += report.blocks_checked
+        self.num_kv_mismatches += len(report.mismatches)
         for m in report.mismatches:
             _log.warning("KV cache check: %s", m)
         return report

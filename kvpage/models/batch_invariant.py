@@ -38,15 +38,3 @@ def make_batch_invariant(model) -> None:
         raise ValueError(f"deterministic=True needs dtype {names}, got {str(dtype).removeprefix('torch.')}")
     ops.policy = LinearPolicy.batch_invariant()
     backend.decode_chunks_up_to = None
-
-
-def is_batch_invariant(model) -> bool:
-    ops = model.ops
-    return (
-        getattr(model.attention_backend, "decode_chunks_up_to", 0) is None
-        and isinstance(ops, KernelLayerOps)
-        and ops.policy == LinearPolicy.batch_invariant()
-    )
-
-
-__all__ = ["is_batch_invariant", "make_batch_invariant"]

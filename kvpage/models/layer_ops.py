@@ -15,6 +15,7 @@ the kernels do not cover (float16).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -80,8 +81,7 @@ class LinearPolicy:
     def batch_invariant() -> LinearPolicy:
         """Every row through the row kernels, each output summed in one order whatever the number of
         rows; torch's GEMM picks its blocking by the number of rows (deterministic mode)."""
-        every = dict.fromkeys(KERNEL_DTYPES, UNLIMITED)
-        return LinearPolicy(plain=every, quantized=dict(every), one_order=True)
+        return dataclasses.replace(LinearPolicy.always_kernel(), one_order=True)
 
     @staticmethod
     def always_kernel() -> LinearPolicy:  # tests of the kernels themselves
