@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvpage.core.eviction import parse_eviction
+from kvpage.core.eviction import NO_EVICTION, EvictionPolicy, parse_eviction
 from kvpage.core.kv_bytes import KV_CACHE_DTYPES
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -52,8 +52,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"  # "cpu": compiled kernels, "triton": Triton kernels, "torch": reference
     # every request's eviction policy unless it names its own: None, "streaming[:sink_tokens=..,window_tokens=..]",
-    # "h2o[:heavy_tokens=..,recent_tokens=..]", a mapping or a policy object (kvpage/core/eviction.py)
-    kv_eviction: Any = None
+    # "h2o[:heavy_tokens=..,recent_tokens=..]", a mapping or a policy object (kvpage/core/eviction/);
+    # parsed once, here: afterwards always an EvictionPolicy (NO_EVICTION when off)
+    kv_eviction: EvictionPolicy | Any = None
     # with block_size="auto": the lengths (prompt + output) of the sequences to hold at once, as a mapping
     # {length: count}, "LENGTH:COUNT,..." or a JSONL path; they also size the pool unless memory or blocks are given
     block_size_lengths: Any = None
@@ -105,7 +106,7 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
-        self.kv_eviction = parse_eviction(self.kv_eviction)
+        self.kv_eviction = parse_eviction(self.kv_eviction) or NO_EVICTION
         self._check_deterministic()
 
     def _check_deterministic(self) -> None:
@@ -122,7 +123,7 @@ class EngineConfig:
              f"weight_dtype={self.weight_dtype!r}: the quantized kernel sums 1-4 rows and more in two orders"),
             (self.dtype in ("float16", "fp16", "half"),
              f"dtype={self.dtype!r}: the kernels compute float32 and bfloat16"),
-            (getattr(self.kv_eviction, "wants_mass", False),
+            (self.kv_eviction.wants_mass,
              "kv_eviction h2o: its attention mass takes the torch path"),
         ]  # fmt: skip
         for clash, why in clashes:

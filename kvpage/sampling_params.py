@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvpage.core.eviction import parse_eviction
+from kvpage.core.eviction import NO_EVICTION, EvictionPolicy, parse_eviction
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs: at most this many top log-probabilities per position
@@ -60,9 +60,10 @@ class _SamplingFields:
     logprobs: int | None = None  # top log-probabilities returned per generated token
     prompt_logprobs: int | None = None  # top log-probabilities returned per prompt token
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling, in [-100, 100]
-    # StreamingLLM / H2O for this request (core/eviction.py): a policy, a mapping, a spec string such
-    # as "streaming:sink_tokens=4,window_tokens=1020", or "none"; None: the engine's kv_eviction
-    kv_eviction: Any = None
+    # StreamingLLM / H2O for this request (core/eviction/): a policy, a mapping, a spec string such
+    # as "streaming:sink_tokens=4,window_tokens=1020", or "none"; None: the engine's kv_eviction.
+    # Parsed once, here: afterwards it is an EvictionPolicy (NO_EVICTION for "none") or None.
+    kv_eviction: EvictionPolicy | Any = None
 
 
 class SamplingParams(_SamplingFields):
@@ -112,7 +113,7 @@ class SamplingParams(_SamplingFields):
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        parse_eviction(self.kv_eviction)
+        self.kv_eviction = parse_kv_eviction(self.kv_eviction)
 
     @property
     def greedy(self) -> bool:
@@ -131,7 +132,7 @@ class _BeamFields:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
-    kv_eviction: Any = None  # as SamplingParams.kv_eviction
+    kv_eviction: EvictionPolicy | Any = None  # as SamplingParams.kv_eviction
 
 
 class BeamSearchParams(_BeamFields):
@@ -150,4 +151,12 @@ class BeamSearchParams(_BeamFields):
             raise ValueError("temperature must be 0 for beam search (only deterministic beam search is supported)")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
-        parse_eviction(self.kv_eviction)
+        self.kv_eviction = parse_kv_eviction(self.kv_eviction)
+
+
+def parse_kv_eviction(spec: Any) -> EvictionPolicy | None:
+    """A request's `kv_eviction` as a policy: None stays None (the engine's choice applies), "none"
+    is NO_EVICTION (it overrides an engine-wide policy). ValueError naming the field otherwise."""
+    if spec is None:
+        return None
+    return parse_eviction(spec) or NO_EVICTION

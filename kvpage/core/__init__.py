@@ -1,19 +1,28 @@
-"""The torch-free core: block pool, prefix cache, KV-cache manager and scheduler.
+"""The torch-free core: the KV-cache manager's components and the scheduler.
 
-    block_pool      blocks, ref counts, the LRU free queue
-    prefix_cache    chain hashes of full blocks -> the block holding that content
-    kv_cache_manager  block tables of sequences; admission of a request's sequences (the one place
-                    that arithmetic lives); fork, copy-on-write, swap
-    scheduler       continuous batching: schedule() -> SchedulerOutput, update_from_output() -> StepResult
-    request, scheduler_output, step_update   the plain data that crosses those boundaries
+    block, block_pool, free_block_queue   blocks, ref counts, the LRU free queue
+    block_table       one sequence's table: holes, slot mapping, growth arithmetic
+    prefix_cache      chain hashes of full blocks -> the block holding that content
+    prefix_registry   lookups and registration with commit / discard
+    cpu_tier          copies of evicted prefix blocks in CPU memory
+    swap              the CPU pool preempted sequences move to
+    eviction/         policies (StreamingLLM, H2O, none) and per-sequence windows
+    admission         all block arithmetic: admit, grow, swap in, the watermark
+    invariants        InvariantError and the checks' composition
+    kv_cache_manager  the facade the scheduler talks to
+    preemption        swap or recompute, and the counts
+    scheduler         continuous batching: schedule() -> SchedulerOutput, update_from_output() -> StepResult
+    request, scheduler_output, step_update, cache_stats   the plain data that crosses those boundaries
 
 Nothing here imports torch; a test enforces it.
 """
 
 from kvpage.core.admission import Admission, AdmissionStatus
-from kvpage.core.block_pool import Block, BlockPool
+from kvpage.core.block import Block
+from kvpage.core.block_pool import BlockPool
 from kvpage.core.cache_stats import CacheStats
-from kvpage.core.kv_cache_manager import CachedPrefix, InvariantError, KVCacheManager, SlotAllocation
+from kvpage.core.invariants import InvariantError
+from kvpage.core.kv_cache_manager import CachedPrefix, KVCacheManager, SlotAllocation, StepBlocks
 from kvpage.core.prefix_cache import CacheKey, PrefixCache, hash_block
 from kvpage.core.request import Request, RequestStatus, Sequence
 from kvpage.core.scheduler import Scheduler
@@ -41,6 +50,7 @@ __all__ = [
     "SeqUpdate",
     "Sequence",
     "SlotAllocation",
+    "StepBlocks",
     "StepResult",
     "hash_block",
 ]

@@ -1,4 +1,4 @@
-"""The answer to "can this request's sequences get their blocks?": now, later, or never — and how.
+"""All block arithmetic: can these sequences get their blocks — now, later, or never — and how many.
 
 A request enters the cache as a group: its lead sequence (the first live one) takes the longest
 cached prefix of its tokens, and every other sequence (parallel samples or beams brought back after
@@ -8,18 +8,23 @@ a recompute) shares the lead's leading full blocks as far as their tokens agree:
     sib 1  [h0][h1][l2][s3][s4.]   shares 3 blocks with the lead, owns 2
     sib 2  [h0][h1][t2.]           shares 2, owns 1
 
-`blocks_needed` counts the new blocks of all of them together; it is the only admission arithmetic
-in kvpage (the scheduler asks, never recounts).
+`Admission` counts the new blocks of all of them together (`plan`); `growth_blocks` counts what
+running sequences take to grow (copy-on-write included); `fits` is the one watermark rule: a
+newcomer (admitted, or swapped back in) leaves `watermark_blocks` free for running sequences to grow
+into whenever anything runs. The scheduler asks; it never recounts.
 """
 
 from __future__ import annotations
 
 import enum
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvpage.core.kv_cache_manager import CachedPrefix
+from kvpage.core.block import Block, cdiv
+from kvpage.core.block_pool import BlockPool
+from kvpage.core.block_table import BlockTable, common_prefix
+from kvpage.core.prefix_registry import CachedPrefix
 
 
 class AdmissionStatus(enum.Enum):
@@ -37,6 +42,62 @@ class Admission:
     prefix: CachedPrefix | None = None  # the lead's hits, valid until the pool changes
     shared_blocks: list[int] = field(default_factory=list)  # per sequence: leading blocks shared with the lead
 
-    @property
-    def ok(self) -> bool:
-        return self.status is AdmissionStatus.NOW
+
+class BlockBudget:
+    """The GPU pool's free blocks as admission and growth see them."""
+
+    def __init__(self, pool: BlockPool, block_size: int, watermark: float) -> None:
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.pool = pool
+        self.block_size = block_size
+        self.watermark_blocks = int(watermark * pool.num_total)
+
+    def fits(self, need: int, *, keep_watermark: bool, freed: int = 0) -> bool:
+        """`need` new blocks fit now (`freed`: cached free blocks the newcomer takes off the queue)."""
+        return need <= self.available(keep_watermark=keep_watermark, freed=freed)
+
+    def available(self, *, keep_watermark: bool, freed: int = 0) -> int:
+        return self.pool.num_free - freed - (self.watermark_blocks if keep_watermark else 0)
+
+    def plan(self, token_lists: Sequence[Sequence[int]], prefix: CachedPrefix, hits: list[Block],
+             *, keep_watermark: bool) -> Admission:  # fmt: skip
+        """Could a request whose live sequences hold `token_lists` (lead first), the lead hitting
+        `prefix`, get all their slots now, later, or never? NEVER: not even in an empty pool."""
+        bs, lead = self.block_size, token_lists[0]
+        shared = [0] + [min(common_prefix(lead, t), len(t) - 1) // bs for t in token_lists[1:]]
+        total = cdiv(len(lead), bs) + sum(cdiv(len(t), bs) - m for t, m in zip(token_lists[1:], shared[1:]))
+        needed = total - len(hits)  # a hit on the CPU tier takes a new block too
+        available = self.available(keep_watermark=keep_watermark, freed=sum(b.ref_count == 0 for b in hits))
+        if total > self.pool.num_total:
+            seqs = f"its {len(token_lists)} sequences need" if len(token_lists) > 1 else "it needs"
+            reason = (
+                f"{seqs} {total} blocks of {bs} tokens for {sum(map(len, token_lists))} tokens, "
+                f"but the whole cache holds {self.pool.num_total} blocks"
+            )
+            return Admission(AdmissionStatus.NEVER, needed, available, reason, prefix, shared)
+        status = AdmissionStatus.NOW if needed <= available else AdmissionStatus.LATER
+        return Admission(status, needed, available, None, prefix, shared)
+
+    def start_blocks(self, prefix: CachedPrefix | None, num_new_tokens: int, hits: list[Block]) -> int:
+        """Blocks a new sequence takes for `prefix` plus `num_new_tokens` (a tier hit takes a new
+        block, a cached free hit comes off the free queue): what one sequence of `plan` counts."""
+        covered = prefix.num_tokens if prefix is not None else 0
+        return cdiv(covered + num_new_tokens, self.block_size) - len(hits) + sum(b.ref_count == 0 for b in hits)
+
+    def growth_blocks(self, growth: Sequence[tuple[BlockTable, int]]) -> int:
+        """Blocks that appending n tokens to each table, in this order, takes. Exact for tables
+        sharing a partly filled last block: of r appenders to a block that R tables hold, r - 1 copy
+        it, and the last one copies too only if someone else still holds it."""
+        bs, total = self.block_size, 0
+        appenders: Counter[int] = Counter()
+        for table, n in growth:
+            if n <= 0:
+                continue
+            total += table.new_blocks_for(bs, n)
+            last = table.appends_into_last(bs, n)
+            if last is not None:
+                appenders[last] += 1
+        for block_id, r in appenders.items():
+            total += r - 1 + (self.pool.blocks[block_id].ref_count > r)
+        return total

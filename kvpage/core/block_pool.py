@@ -10,29 +10,18 @@ prefix-cache hit until it reaches the head and is handed out again (its key is e
 A sequence frees its blocks tail first, so the ends of sequences are evicted before shared heads.
 
 The counters (`num_cached_free`, `num_shared`, `num_used_tokens`) are kept up to date on every
-transition so statistics are O(1); `KVCacheManager.check_invariants` recomputes them from scratch.
+transition so statistics are O(1); `check_invariants` recomputes them from scratch.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
+from kvpage.core.block import Block
 from kvpage.core.free_block_queue import FreeBlockQueue
-from kvpage.core.prefix_cache import CacheKey, PrefixCache
-
-
-@dataclass(slots=True, eq=False)
-class Block:
-    block_id: int
-    ref_count: int = 0
-    num_tokens: int = 0  # slots that hold a token's KV
-    cache_key: CacheKey | None = None  # set while registered in the prefix cache
-    prev_free: Block | None = None  # links of the free queue; None while the block is in use
-    next_free: Block | None = None
-
-    def __repr__(self) -> str:
-        return f"Block({self.block_id}, ref={self.ref_count}, tokens={self.num_tokens})"
+from kvpage.core.invariants import check
+from kvpage.core.prefix_cache import PrefixCache
 
 
 class BlockPool:
@@ -136,3 +125,27 @@ class BlockPool:
         """Record that `n` more slots of an in-use block now hold tokens."""
         block.num_tokens += n
         self.num_used_tokens += n
+
+    def check_invariants(self, refs: Counter[int]) -> None:
+        """Every counter and the free queue recomputed from scratch; `refs`: block id -> how many
+        holders (tables, sink copies) reference it."""
+        queued = self.free_queue.block_ids()
+        check(len(queued) == len(set(queued)) == self.num_free, "free queue length or duplicates")
+        for block in self.blocks:
+            check(
+                block.ref_count == refs[block.block_id],
+                lambda: f"block {block.block_id}: ref_count {block.ref_count} but {refs[block.block_id]} holders",
+            )
+            check(
+                (block.ref_count == 0) == (block in self.free_queue),
+                lambda: f"block {block.block_id}: free iff unreferenced",
+            )
+            check(
+                0 <= block.num_tokens <= self.block_size, lambda: f"block {block.block_id}: {block.num_tokens} tokens"
+            )
+        used = [b for b in self.blocks if b.ref_count > 0]
+        check(self.num_free + len(used) == self.num_total, "free + used != total")
+        check(self.num_shared == sum(b.ref_count > 1 for b in used), "shared counter")
+        check(self.num_used_tokens == sum(b.num_tokens for b in used), "used-token counter")
+        check(self.num_cached_free == sum(b.cache_key is not None for b in self.blocks if b.ref_count == 0),
+              "cached counter")  # fmt: skip

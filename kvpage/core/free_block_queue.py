@@ -10,10 +10,10 @@ lets a prefix-cache hit take a free-but-cached block back without scanning.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvpage.core.block_pool import Block
+from kvpage.core.block import Block
+
+_SENTINEL = -1  # the block id of the two end markers, which are never handed out
 
 
 class FreeBlockQueue:
@@ -22,11 +22,9 @@ class FreeBlockQueue:
     __slots__ = ("_head", "_tail", "num_free")
 
     def __init__(self, blocks: list[Block]) -> None:
-        from kvpage.core.block_pool import Block
-
         # Sentinels never leave the list, so no operation needs an "is this the end?" branch.
-        self._head = Block(block_id=-1)
-        self._tail = Block(block_id=-1)
+        self._head = Block(block_id=_SENTINEL)
+        self._tail = Block(block_id=_SENTINEL)
         self._head.next_free = self._tail
         self._tail.prev_free = self._head
         self.num_free = 0

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvpage.core.block_pool import Block
+    from kvpage.core.block import Block
 
 ExtraKeys = tuple[str | int, ...]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvpage.core.eviction import EvictionPolicy
+from kvpage.core.eviction import NO_EVICTION, EvictionPolicy
 from kvpage.core.scheduler_output import SeqKey
 
 
@@ -72,12 +72,12 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     error: str | None = None  # why it failed alone (e.g. it can never fit in the cache)
-    eviction: EvictionPolicy | None = None  # StreamingLLM / H2O: blocks released as it grows (core/eviction.py)
+    eviction: EvictionPolicy = NO_EVICTION  # StreamingLLM / H2O: blocks released as it grows (core/eviction/)
 
     @property
     def unbounded(self) -> bool:
         """Its positions are those inside the cache (StreamingLLM): it may run past max_model_len."""
-        return self.eviction is not None and self.eviction.unbounded
+        return self.eviction.unbounded
 
     def __post_init__(self) -> None:
         if not self.sequences:

@@ -25,7 +25,7 @@ covers a decode (1 token), a prompt chunk (chunked prefill) and a recompute afte
 Blocks a step will fill are registered in the prefix cache as it is scheduled, so a request
 admitted later in the same step shares them (the model writes each layer's K/V before attending).
 
-Requests with an eviction policy (StreamingLLM, H2O; core/eviction.py) hold slots only for what
+Requests with an eviction policy (StreamingLLM, H2O; core/eviction/) hold slots only for what
 they compute next, run prompt chunks of at most their window, hit the prefix cache only within
 their budget (what they would have computed themselves before evicting anything), and release
 blocks after each step (`KVCacheManager.evict`), so their memory stays bounded however long they
@@ -39,13 +39,15 @@ If the worker raised instead, `fail_step` fails the step's requests and forgets 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from kvpage.core.admission import AdmissionStatus
-from kvpage.core.kv_cache_manager import InvariantError, KVCacheManager
+from kvpage.core.kv_cache_manager import KVCacheManager
+from kvpage.core.preemption import Preemption
 from kvpage.core.request import Request, RequestStatus, Sequence
+from kvpage.core.scheduler_invariants import check_scheduler
 from kvpage.core.scheduler_output import ScheduledSequence, SchedulerOutput, SeqKey
-from kvpage.core.step_update import RequestUpdate, StepResult
+from kvpage.core.step_update import RequestUpdate, StepResult, apply_update
 
 
 class Scheduler:
@@ -58,21 +60,29 @@ class Scheduler:
         max_model_len: int,
         preemption_mode: str | None = None,
     ) -> None:
-        if preemption_mode not in (None, "recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute', 'swap' or None, got {preemption_mode!r}")
         self.kv = kv
+        self.preemption = Preemption(kv, preemption_mode)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.preemption_mode = preemption_mode
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
-        self.num_preemptions = 0
-        self.num_swapped_out = 0
         self._failed: dict[str, str] = {}  # failed alone since the last report
         self._in_flight: set[str] = set()  # requests the scheduled step touches
+
+    @property
+    def preemption_mode(self) -> str | None:
+        return self.preemption.mode
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.preemption.num_preemptions
+
+    @property
+    def num_swapped_out(self) -> int:
+        return self.preemption.num_swapped_out
 
     # ------------------------------------------------------------------ requests
     def add_request(self, req: Request) -> None:
@@ -119,6 +129,10 @@ class Scheduler:
     def num_running_seqs(self) -> int:
         return sum(len(r.resident_sequences) for r in self.running)
 
+    def _seats_for(self, req: Request, num_seqs: int) -> bool:
+        """`max_num_seqs` lets a request of `num_seqs` live sequences (up to its width) join the running."""
+        return not self.running or self.num_running_seqs() + max(num_seqs, req.width) <= self.max_num_seqs
+
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput([])
@@ -133,13 +147,14 @@ class Scheduler:
                 i += 1
                 continue
             need = self._blocks_to_grow(req, plan)
-            while plan and need > self.kv.pool.num_free and req.status is RequestStatus.RUNNING:
+            while plan and need > self.kv.num_free_blocks and req.status is RequestStatus.RUNNING:
                 # the most recently admitted request that holds GPU blocks (maybe req itself); one whose
                 # samples are all parked holds none: preempting it would free nothing
                 holders = [r for r in self.running if r.resident_sequences]
                 victim = holders[-1]
                 if victim.independent and len(victim.resident_sequences) > 1:
-                    self._park(victim, out)  # one sample goes, its siblings run on
+                    if self.preemption.park(victim, out):  # one sample goes, its siblings run on
+                        self._in_flight.add(victim.request_id)
                 elif victim is req and len(holders) == 1:  # nothing else holds blocks: it can never go on
                     self._fail(req, self._never_fits(req, need))
                     break
@@ -174,7 +189,7 @@ class Scheduler:
             return []
         end: dict[int, int] = {}  # computed by the end of this step, for siblings waiting on their lead
         plan = []
-        chunk = req.eviction.chunk_tokens(self.kv.block_size) if req.eviction is not None else budget
+        chunk = req.eviction.chunk_tokens(self.kv.block_size) or budget
         for s in seqs:
             if s.depends_on is not None:
                 lead, upto = s.depends_on
@@ -188,38 +203,33 @@ class Scheduler:
             budget -= n
         return plan
 
-    def _missing_slots(self, req: Request, seq: Sequence, n: int) -> int:
-        """Slots to add before `seq` runs `n` tokens: for all its tokens, or (with an eviction policy,
-        whose memory must stay bounded) for those it runs now."""
-        upto = seq.num_computed + n if req.eviction is not None else len(seq.token_ids)
-        return max(0, upto - self.kv.num_tokens(seq.key))
+    @staticmethod
+    def _slots(req: Request, seq: Sequence, n: int) -> int:
+        """Slots `seq` holds before it runs `n` tokens: for all its tokens, or (an evicting policy,
+        whose memory stays bounded) for those it runs now."""
+        return req.eviction.slots_upto(seq.num_computed + n, len(seq.token_ids))
 
     def _blocks_to_grow(self, req: Request, plan: list[tuple[Sequence, int]]) -> int:
         """Blocks the planned sequences take to give their tokens a slot (and sink copies, if due)."""
-        return self.kv.num_blocks_to_grow([(s.key, self._missing_slots(req, s, n)) for s, n in plan])
+        growth = [(s.key, max(0, self._slots(req, s, n) - self.kv.num_tokens(s.key))) for s, n in plan]
+        return self.kv.num_blocks_to_grow(growth)
 
     def _schedule_seq(self, req: Request, seq: Sequence, n: int, out: SchedulerOutput) -> int:
         """Slots for `seq`'s tokens (the caller made room), then its next `n` tokens."""
-        missing = self._missing_slots(req, seq, n)
-        if missing:
-            alloc = self.kv.allocate_slots(seq.key, missing)
-            if alloc is None:  # the caller checked room first: this is a bookkeeping bug
-                raise InvariantError(f"no blocks for {seq.key} after the scheduler made room")
-            out.copies.extend(alloc.copies)
-        out.rotations.extend(self.kv.prepare_sinks(seq.key))
         start = seq.num_computed
-        self.kv.cache_blocks(seq.key, seq.token_ids, start + n)
-        table, num_evicted = self.kv.attention_table(seq.key)
+        step = self.kv.prepare_step(seq.key, seq.token_ids, start + n, self._slots(req, seq, n))
+        out.copies.extend(step.copies)
+        out.rotations.extend(step.rotations)
         out.sequences.append(
             ScheduledSequence(
                 seq.key,
                 seq.token_ids[start : start + n],
                 start,
-                table,
+                step.block_table,
                 return_logits=start + n == len(seq.token_ids),
                 prompt_logprobs=req.want_prompt_logprobs and start < seq.num_prompt_tokens,
-                num_evicted=num_evicted,
-                want_mass=req.eviction is not None and req.eviction.wants_mass,
+                num_evicted=step.num_evicted,
+                want_mass=req.eviction.wants_mass,
             )
         )
         self._in_flight.add(req.request_id)
@@ -229,52 +239,18 @@ class Scheduler:
         k = len(req.resident_sequences)
         return (
             f"request {req.request_id!r} can never fit: its {k} sequence{'s' * (k > 1)} need {need} more "
-            f"block{'s' * (need > 1)} to go on, but only {self.kv.pool.num_free} are free with nothing else "
-            f"running (the cache holds {self.kv.pool.num_total} blocks of {self.kv.block_size} tokens)"
+            f"block{'s' * (need > 1)} to go on, but only {self.kv.num_free_blocks} are free with nothing else "
+            f"running (the cache holds {self.kv.num_total_blocks} blocks of {self.kv.block_size} tokens)"
         )
 
-    def _preempt_mode(self) -> str:
-        return self.preemption_mode or ("swap" if self.kv.cpu_pool.num_total else "recompute")
-
-    def _swapped_out(self, req: Request, seqs: list[Sequence], out: SchedulerOutput) -> bool:
-        """Count a preemption of `seqs`, and move their blocks to the CPU pool when the mode says swap
-        and it fits (blocks they share with sequences that stay are copied, and stay on the GPU too)."""
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        if self._preempt_mode() != "swap":
-            return False
-        pairs = self.kv.swap_out([s.key for s in seqs])
-        if pairs is None:
-            return False
-        out.swap_out.extend(pairs)
-        self.num_swapped_out += 1
-        self._in_flight.add(req.request_id)
-        return True
-
-    def _drop(self, seq: Sequence) -> None:
-        """Recompute: free the sequence's blocks (GPU or swapped), keep its tokens."""
-        if self.kv.has_sequence(seq.key):
-            self.kv.free(seq.key)
-        seq.num_computed = 0
-        seq.depends_on = None
-
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        if self._swapped_out(req, req.resident_sequences, out):
+        if self.preemption.preempt(req, out):
+            self._in_flight.add(req.request_id)
             req.status = RequestStatus.SWAPPED
             self.swapped.appendleft(req)
-            return
-        for i, seq in enumerate(req.live_sequences):  # (a parked sample's swapped blocks go too)
-            self._drop(seq)
-            seq.parked = req.independent and i > 0  # samples come back one by one after their lead
-        req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
-
-    def _park(self, req: Request, out: SchedulerOutput) -> None:
-        """Preempt the last running sample of an independent request; the others go on."""
-        seq = req.resident_sequences[-1]
-        seq.parked = True
-        if not self._swapped_out(req, [seq], out):
-            self._drop(seq)
+        else:
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
 
     def _resume_parked(self, budget: int, out: SchedulerOutput) -> tuple[int, bool]:
         """Parked samples back, oldest request first, while they fit beside everyone running
@@ -316,7 +292,7 @@ class Scheduler:
                 seq.parked = False
                 self._in_flight.add(req.request_id)
                 n = min(seq.num_uncomputed, budget)
-                if n > 0 and self._blocks_to_grow(req, [(seq, n)]) <= self.kv.pool.num_free:
+                if n > 0 and self._blocks_to_grow(req, [(seq, n)]) <= self.kv.num_free_blocks:
                     budget -= self._schedule_seq(req, seq, n, out)
         return budget, all_back
 
@@ -328,7 +304,7 @@ class Scheduler:
             live = [s.key for s in req.resident_sequences]
             if not self.kv.can_swap_in(live, keep_watermark=self.num_running_seqs() > 0):
                 return budget
-            if self.running and self.num_running_seqs() + max(len(live), req.width) > self.max_num_seqs:
+            if not self._seats_for(req, len(live)):
                 return budget
             pairs = self.kv.swap_in(live)
             if pairs is None:
@@ -339,7 +315,7 @@ class Scheduler:
             self.swapped.popleft()
             self._in_flight.add(req.request_id)
             plan = self._plan(req, budget)
-            if plan and self._blocks_to_grow(req, plan) <= self.kv.pool.num_free:
+            if plan and self._blocks_to_grow(req, plan) <= self.kv.num_free_blocks:
                 for seq, n in plan:
                     budget -= self._schedule_seq(req, seq, n, out)
         return budget
@@ -349,11 +325,11 @@ class Scheduler:
         while self.waiting and budget > 0:
             req = self.waiting[0]
             seqs = req.resident_sequences
-            if self.running and self.num_running_seqs() + max(len(seqs), req.width) > self.max_num_seqs:
+            if not self._seats_for(req, len(seqs)):
                 return
             tokens = [s.token_ids for s in seqs]
-            if req.eviction is not None:  # slots (and prefix hits) only within the budget
-                cap = req.eviction.budget_tokens(bs)
+            cap = req.eviction.admission_cap(bs)  # an evicting policy: slots (and hits) within its budget
+            if cap is not None:
                 tokens = [t[:cap] for t in tokens]
             adm = self.kv.check_admission(
                 tokens, req.cache_salt, use_prefix_cache=req.use_prefix_cache, keep_watermark=bool(self.running)
@@ -373,11 +349,9 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             for seq, n in self._plan(req, budget):
-                if req.eviction is not None:  # admitted with slots for its budget: no more this step
-                    n = min(n, self.kv.num_tokens(seq.key) - seq.num_computed)
-                    if n <= 0:
-                        continue
-                budget -= self._schedule_seq(req, seq, n, out)
+                n = min(n, self.kv.num_tokens(seq.key) - seq.num_computed)  # admitted within its cap
+                if n > 0:
+                    budget -= self._schedule_seq(req, seq, n, out)
 
     # ------------------------------------------------------------------ after the worker ran
     def update_from_output(
@@ -390,23 +364,22 @@ class Scheduler:
         blocks (H2O scores them by `attention_mass`, per entry of the step's table), apply the
         engine's decisions (forks, then tokens, then finished sequences) and say which requests
         finished or failed."""
-        self.kv.commit()
         self._in_flight.clear()
         result = StepResult(failed=dict(out.failed))
+        computed = []
         for s in out.sequences:
-            req = self.requests.get(s.seq_id.request_id)  # type: ignore[attr-defined]
+            req = self.requests.get(s.seq_id.request_id)
             if req is not None and req.status is RequestStatus.RUNNING:
-                req.sequences[s.seq_id.index].num_computed = s.seq_len  # type: ignore[attr-defined]
-                if req.eviction is not None and self.kv.has_sequence(s.seq_id):
-                    mass = attention_mass.get(s.seq_id) if attention_mass else None  # type: ignore[call-overload]
-                    self.kv.evict(s.seq_id, s.seq_len, mass)
+                req.sequences[s.seq_id.index].num_computed = s.seq_len
+                computed.append((s.seq_id, s.seq_len, attention_mass.get(s.seq_id) if attention_mass else None))
+        self.kv.finish_step(computed)
         for request_id, update in updates.items():
             req = self.requests.get(request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue
             if update.error is None:
                 try:
-                    self._apply(req, update)
+                    apply_update(req, update, self.kv)
                 except (ValueError, IndexError, KeyError) as e:
                     update.error = f"request {request_id!r} failed: {e}"
             if update.error is not None:
@@ -418,38 +391,11 @@ class Scheduler:
         self._failed.clear()
         return result
 
-    def _apply(self, req: Request, update: RequestUpdate) -> None:
-        for u in update.sequences:  # validate everything before changing anything
-            if u.parent is None and not 0 <= u.index < len(req.sequences):
-                raise IndexError(f"no sequence {u.index}")
-            if u.parent is not None and not 0 <= u.parent < len(req.sequences):
-                raise IndexError(f"no parent sequence {u.parent}")
-        forks = [u for u in update.sequences if u.parent is not None and u.parent != u.index]
-        for u in forks:
-            if u.index != len(req.sequences):
-                raise ValueError(f"a new sequence must take index {len(req.sequences)}, not {u.index}")
-            parent = req.sequences[u.parent]  # type: ignore[index]
-            if parent.finished or parent.num_uncomputed:
-                raise ValueError(f"sequence {parent.index} cannot be forked now")
-            child = Sequence(SeqKey(req.request_id, u.index), list(parent.token_ids), parent.num_prompt_tokens,
-                             parent.num_computed)  # fmt: skip
-            self.kv.fork(parent.key, child.key)
-            req.sequences.append(child)
-        for u in update.sequences:
-            if u.token_id is not None:
-                req.sequences[u.index].token_ids.append(u.token_id)
-        for u in update.sequences:
-            if u.finish_reason is not None:
-                seq = req.sequences[u.index]
-                seq.finish_reason, seq.stop_reason = u.finish_reason, u.stop_reason
-                if self.kv.has_sequence(seq.key):
-                    self.kv.free(seq.key)
-
     def fail_step(self, out: SchedulerOutput, reason: str) -> StepResult:
         """The worker raised while running `out`: every request the step touched fails (its KV may be
         half written), the blocks registered for the step are forgotten, everyone else goes on."""
-        self.kv.discard_uncommitted()
-        touched = self._in_flight | {s.seq_id.request_id for s in out.sequences}  # type: ignore[attr-defined]
+        self.kv.fail_step()
+        touched = self._in_flight | {s.seq_id.request_id for s in out.sequences}
         self._in_flight.clear()
         result = StepResult(failed=dict(out.failed))
         for request_id in touched:
@@ -481,52 +427,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
-        """The manager's own checks (chain digests against the requests' tokens included), and that
-        every request sits in exactly the queue its status names with blocks to match."""
-        tokens = {s.key: s.token_ids for r in self.requests.values() for s in r.live_sequences}
-        self.kv.check_invariants(tokens)
-        queues = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING: self.waiting,
-                  RequestStatus.SWAPPED: self.swapped}  # fmt: skip
-        listed = [r for q in queues.values() for r in q]
-        _check(len(listed) == len({id(r) for r in listed}) == len(self.requests), "a request is queued twice or lost")
-        held = set()
-        for req in listed:
-            _check(req in queues[req.status], lambda: f"{req.request_id}: status {req.status} but queued elsewhere")
-            _check(self.requests.get(req.request_id) is req, lambda: f"{req.request_id}: not in the request map")
-            _check(
-                all(s.index == i for i, s in enumerate(req.sequences)), lambda: f"{req.request_id}: sequence indices"
-            )
-            _check(bool(req.live_sequences), lambda: f"{req.request_id}: queued with no live sequence")
-            _check(
-                req.status is not RequestStatus.WAITING or not req.live_sequences[0].parked,
-                lambda: f"{req.request_id}: waits with its lead parked",
-            )
-            for seq in req.live_sequences:
-                has = self.kv.has_sequence(seq.key)
-                _check(not seq.parked or req.independent, lambda: f"{seq.key}: parked, but its request is a gang")
-                if seq.parked:  # no GPU block: none, or swapped out (never while its request waits)
-                    _check(
-                        not has or (self.kv.is_swapped(seq.key) and req.status is not RequestStatus.WAITING),
-                        lambda: f"{seq.key}: parked with GPU blocks",
-                    )
-                    if has:
-                        held.add(seq.key)
-                    continue
-                _check(
-                    has == (req.status is not RequestStatus.WAITING),
-                    lambda: f"{seq.key}: blocks for status {req.status}",
-                )
-                _check(0 <= seq.num_computed <= len(seq.token_ids), lambda: f"{seq.key}: computed count")
-                if has:
-                    held.add(seq.key)
-                    _check(
-                        self.kv.is_swapped(seq.key) == (req.status is RequestStatus.SWAPPED), lambda: f"{seq.key}: pool"
-                    )
-                    n = self.kv.num_tokens(seq.key)
-                    _check(seq.num_computed <= n <= len(seq.token_ids), lambda: f"{seq.key}: {n} slots")
-        _check(held == set(self.kv.seq_ids()), "the manager holds sequences no request owns")
-
-
-def _check(ok: bool, message: str | Callable[[], str]) -> None:
-    if not ok:  # messages in loops come as lambdas: building them all would dominate the simulation
-        raise InvariantError(message if isinstance(message, str) else message())
+        """The manager's own checks (chain digests against the requests' tokens included), and the
+        scheduler's (scheduler_invariants.py)."""
+        self.kv.check_invariants({s.key: s.token_ids for r in self.requests.values() for s in r.live_sequences})
+        check_scheduler(self)

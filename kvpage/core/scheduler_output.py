@@ -15,7 +15,6 @@ A sequence is named by `SeqKey(request_id, index)`: plain data, never a string t
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -27,7 +26,7 @@ class SeqKey(NamedTuple):
 
 @dataclass(slots=True)
 class ScheduledSequence:
-    seq_id: Hashable  # a SeqKey from the scheduler; any hashable name in tests that drive the runner
+    seq_id: SeqKey
     token_ids: list[int]  # the new tokens to run this step (a prompt chunk, or one decode token)
     num_computed: int  # tokens of this sequence whose KV is already cached: position of token_ids[0]
     block_table: list[int]  # physical blocks covering num_computed + len(token_ids) tokens

@@ -14,6 +14,13 @@ its old tokens), then appended tokens, then finished sequences — and answers w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvpage.core.request import Request, Sequence
+from kvpage.core.scheduler_output import SeqKey
+
+if TYPE_CHECKING:
+    from kvpage.core.kv_cache_manager import KVCacheManager
 
 
 @dataclass(slots=True)
@@ -36,3 +43,34 @@ class RequestUpdate:
 class StepResult:
     finished: list[str] = field(default_factory=list)  # requests whose every sequence has ended
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed alone
+
+
+def apply_update(req: Request, update: RequestUpdate, kv: KVCacheManager) -> None:
+    """Apply one request's decisions: forks (sharing the parent's blocks), then tokens, then the
+    sequences that finished (their blocks go back). Everything is validated before anything changes;
+    ValueError / IndexError name what was wrong."""
+    for u in update.sequences:
+        if u.parent is None and not 0 <= u.index < len(req.sequences):
+            raise IndexError(f"no sequence {u.index}")
+        if u.parent is not None and not 0 <= u.parent < len(req.sequences):
+            raise IndexError(f"no parent sequence {u.parent}")
+    forks = [u for u in update.sequences if u.parent is not None and u.parent != u.index]
+    for u in forks:
+        if u.index != len(req.sequences):
+            raise ValueError(f"a new sequence must take index {len(req.sequences)}, not {u.index}")
+        parent = req.sequences[u.parent]  # type: ignore[index]
+        if parent.finished or parent.num_uncomputed:
+            raise ValueError(f"sequence {parent.index} cannot be forked now")
+        child = Sequence(SeqKey(req.request_id, u.index), list(parent.token_ids), parent.num_prompt_tokens,
+                         parent.num_computed)  # fmt: skip
+        kv.fork(parent.key, child.key)
+        req.sequences.append(child)
+    for u in update.sequences:
+        if u.token_id is not None:
+            req.sequences[u.index].token_ids.append(u.token_id)
+    for u in update.sequences:
+        if u.finish_reason is not None:
+            seq = req.sequences[u.index]
+            seq.finish_reason, seq.stop_reason = u.finish_reason, u.stop_reason
+            if kv.has_sequence(seq.key):
+                kv.free(seq.key)

@@ -22,7 +22,6 @@ import torch
 
 from kvpage.config import EngineConfig
 from kvpage.core import CacheStats, KVCacheManager
-from kvpage.core.eviction import parse_eviction
 from kvpage.core.request import Request, Sequence
 from kvpage.core.scheduler import Scheduler
 from kvpage.core.scheduler_output import SchedulerOutput
@@ -108,7 +107,7 @@ class LLMEngine:
         max_model_len = config.max_model_len or min(context, capacity)
         if max_model_len > context:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length {context}")
-        if max_model_len > capacity and config.kv_eviction is None:  # (evicting requests stay within their budget)
+        if max_model_len > capacity and not config.kv_eviction.evicts:  # (evicting requests stay within their budget)
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the KV cache's capacity of {capacity} tokens "
                 f"({num_blocks} blocks of {block_size}); raise kv_cache_memory / num_kv_blocks or lower max_model_len"
@@ -189,14 +188,14 @@ class LLMEngine:
         if bad_bias:
             raise ValueError(f"logit_bias: token id {bad_bias[0]} is outside the vocabulary [0, {vocab})")
         want_plp = not is_beam and params.prompt_logprobs is not None
-        eviction = self.config.kv_eviction if params.kv_eviction is None else parse_eviction(params.kv_eviction)
-        if self.config.deterministic and eviction is not None and eviction.wants_mass:
+        eviction = self.config.kv_eviction if params.kv_eviction is None else params.kv_eviction
+        if self.config.deterministic and eviction.wants_mass:
             raise ValueError(
                 "kv_eviction: h2o does not go with deterministic=True (its attention mass takes the torch path)"
             )
         req = Request(request_id, ids, self._arrivals, cache_salt=cache_salt, use_prefix_cache=not want_plp,
                       want_prompt_logprobs=want_plp, width=width, eviction=eviction,
-                      independent=not is_beam and width > 1 and eviction is None)  # fmt: skip
+                      independent=not is_beam and width > 1 and not eviction.evicts)  # fmt: skip
         self._arrivals += 1
         eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
         extra_stops = set() if is_beam else set(params.stop_token_ids or ())

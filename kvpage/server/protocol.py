@@ -73,7 +73,7 @@ class _Common(BaseModel):
     length_penalty: Number = 1.0
     return_token_ids: StrictBool = False
     cache_salt: Text | None = Field(None, min_length=1)
-    # kvpage's extension: this request's eviction policy (core/eviction.py), e.g. {"policy": "streaming",
+    # kvpage's extension: this request's eviction policy (core/eviction/), e.g. {"policy": "streaming",
     # "sink_tokens": 4, "window_tokens": 1020} or "h2o:heavy_tokens=256,recent_tokens=256" or "none"
     kv_eviction: Text | dict[Text, Text | StrictInt] | None = None
 

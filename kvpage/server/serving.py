@@ -13,9 +13,8 @@ from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import Request
 
-from kvpage.core.eviction import parse_eviction
 from kvpage.outputs import PositionLogprobs, RequestOutput
-from kvpage.sampling_params import BeamSearchParams, SamplingParams
+from kvpage.sampling_params import BeamSearchParams, SamplingParams, parse_kv_eviction
 from kvpage.server.async_engine import AsyncEngine, EngineUnavailable
 from kvpage.server.errors import APIError
 from kvpage.server.streaming import merge
@@ -95,16 +94,15 @@ class OpenAIServing:
 
     def eviction(self, req):
         """The request's eviction policy: its own `kv_eviction`, else the engine's; 400 if malformed."""
-        if req.kv_eviction is None:
-            return self.engine.config.kv_eviction
         try:
-            return parse_eviction(req.kv_eviction)
+            policy = parse_kv_eviction(req.kv_eviction)
         except ValueError as e:
             raise APIError(400, str(e), param="kv_eviction") from None
+        return self.engine.config.kv_eviction if policy is None else policy
 
-    def check_length(self, ids: list[int], max_tokens: int | None, eviction=None) -> int:
+    def check_length(self, ids: list[int], max_tokens: int | None, eviction) -> int:
         limit = self.engine.max_model_len
-        if eviction is not None and eviction.unbounded:  # StreamingLLM runs past the context
+        if eviction.unbounded:  # StreamingLLM runs past the context
             return max_tokens if max_tokens is not None else max(1, limit - len(ids))
         if len(ids) >= limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
@@ -118,7 +116,7 @@ class OpenAIServing:
         return max_tokens
 
     def params(
-        self, req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+        self, req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None, eviction
     ) -> SamplingParams | BeamSearchParams:
         """The engine's parameters for a request body; a bad value is a 400 naming its field."""
         vocab = self.engine.model_config.vocab_size
@@ -136,12 +134,12 @@ class OpenAIServing:
                 return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
                                         length_penalty=float(req.length_penalty),
                                         include_stop_str_in_output=req.include_stop_str_in_output,
-                                        kv_eviction=req.kv_eviction)  # fmt: skip
+                                        kv_eviction=eviction)  # fmt: skip
             kw = dict(n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed, logprobs=logprobs,
                       prompt_logprobs=prompt_logprobs, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
                       stop_token_ids=req.stop_token_ids, skip_special_tokens=req.skip_special_tokens,
                       include_stop_str_in_output=req.include_stop_str_in_output,
-                      logit_bias=req.logit_bias or None, kv_eviction=req.kv_eviction)  # fmt: skip
+                      logit_bias=req.logit_bias or None, kv_eviction=eviction)  # fmt: skip
             for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
                          "repetition_penalty"):  # fmt: skip
                 value = getattr(req, name)

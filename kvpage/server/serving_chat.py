@@ -28,9 +28,10 @@ class ChatServing(OpenAIServing):
             ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         except (ValueError, TemplateError) as e:
             raise APIError(400, f"messages: {e}", param="messages") from None
-        max_tokens = self.check_length(ids, req.max_completion_tokens or req.max_tokens, self.eviction(req))
+        eviction = self.eviction(req)
+        max_tokens = self.check_length(ids, req.max_completion_tokens or req.max_tokens, eviction)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.params(req, max_tokens, top, req.prompt_logprobs)
+        params = self.params(req, max_tokens, top, req.prompt_logprobs, eviction)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         gens = self.generators(rid, [ids], params, self.cache_salt(req, raw_request))
         run = _Run(self, rid, req, ids)

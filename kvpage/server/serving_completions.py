@@ -40,7 +40,7 @@ class CompletionServing(OpenAIServing):
         max_tokens = min(self.check_length(ids, req.max_tokens, eviction) for ids in token_lists)
         echo_lp = req.echo and req.logprobs is not None
         plp = max(req.prompt_logprobs or 0, req.logprobs or 0) if echo_lp or req.prompt_logprobs is not None else None
-        params = self.params(req, max_tokens, req.logprobs, plp)
+        params = self.params(req, max_tokens, req.logprobs, plp, eviction)
         rid = f"cmpl-{uuid.uuid4().hex}"
         gens = self.generators(rid, token_lists, params, self.cache_salt(req, raw_request))
         texts = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in prompts]

@@ -80,7 +80,7 @@ def windows_of(token_ids: list[int], window: int) -> list[list[int]]:
 
 def token_nlls(llm, token_ids: list[int], window: int = 1024, kv_eviction=None) -> list[list[float]]:
     """The negative log-likelihood of every token but each window's first, window by window, as the
-    engine computes it (`kv_eviction`: the windows' eviction policy, core/eviction.py)."""
+    engine computes it (`kv_eviction`: the windows' eviction policy, core/eviction/)."""
     from kvpage.sampling_params import SamplingParams
 
     wins = windows_of(token_ids, window)

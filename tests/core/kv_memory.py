@@ -89,7 +89,7 @@ class KVMemory:
         bs = self.mgr.block_size
         mem = self.cpu if self.mgr.is_swapped(seq_id) else self.gpu
         table = self.mgr.block_table(seq_id)
-        return [None if table[t // bs] < 0 else mem.get(table[t // bs] * bs + t % bs)
+        return [None if table[t // bs] is None else mem.get(table[t // bs] * bs + t % bs)
                 for t in range(self.mgr.num_tokens(seq_id))]  # fmt: skip
 
     def read_attended(self, seq_id: Hashable) -> list[int | None]:
@@ -108,5 +108,5 @@ class KVMemory:
             assert len(tokens) == self.mgr.num_tokens(seq_id), f"{seq_id}: slots for other than its tokens"
             n = len(tokens) if computed is None else computed[seq_id]
             table, bs = self.mgr.block_table(seq_id), self.mgr.block_size
-            expect = [None if table[t // bs] < 0 else tok for t, tok in enumerate(tokens[:n])]  # holes read nothing
+            expect = [None if table[t // bs] is None else tok for t, tok in enumerate(tokens[:n])]  # holes read nothing
             assert self.read(seq_id)[:n] == expect, f"{seq_id} reads back other KV"

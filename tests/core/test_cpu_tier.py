@@ -25,7 +25,7 @@ def test_evicted_blocks_go_to_the_tier_and_come_back_on_a_hit():
     s.check()
     s.free("b")  # queue 0, 1, 2, 3 (b registered its 3 full blocks: they are the pool's hits now)
     prefix = mgr.find_cached_prefix(prompt)
-    assert prefix.block_ids == [-1, -1] and prefix.tier_block_ids == {0: 1, 1: 0} and prefix.num_tokens == 2 * BS
+    assert prefix.block_ids == [None, None] and prefix.tier_block_ids == {0: 1, 1: 0} and prefix.num_tokens == 2 * BS
     s.add("a2", prompt, computed=False)
     # two fresh blocks (0 and 1: b's first two, offloaded in turn) for the restores, then one to grow
     assert mgr.block_table("a2") == [0, 1, 2]

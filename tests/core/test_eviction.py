@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvpage.core import KVCacheManager, Request, Scheduler
+from kvpage.core.block_table import HOLE
 from kvpage.core.eviction import H2O, StreamingLLM, parse_eviction
-from kvpage.core.kv_cache_manager import HOLE
 from kvpage.core.step_update import RequestUpdate, SeqUpdate
 
 BS = 16

@@ -127,7 +127,7 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         ids = [self.new_id() for _ in lists]
         free_before = pool.num_free
-        tiered = adm.prefix.tier_block_ids  # hits on the CPU tier (-1 in hits): each takes a new block
+        tiered = adm.prefix.tier_block_ids  # hits on the CPU tier (None in hits): each takes a new block
         taken_hits = sum(pool.blocks[b].ref_count == 0 for i, b in enumerate(hits) if i not in tiered)
         self.mgr.admit(ids, lists, adm, self.policy_of(ids[0]))
         self.mem.transfers()
@@ -186,7 +186,7 @@ class ManagerMachine(RuleBasedStateMachine):
         num_full = self.mgr.num_tokens(parent) // self.mgr.block_size
         num_blocks = data.draw(st.none() | st.integers(0, num_full))
         child = self.new_id()
-        if num_blocks and self.mgr.block_table(parent)[num_blocks - 1] < 0:  # would end on a hole
+        if num_blocks and self.mgr.block_table(parent)[num_blocks - 1] is None:  # would end on a hole
             with pytest.raises(ValueError, match="the last of them was evicted"):
                 self.mgr.fork(parent, child, num_blocks)
             return
@@ -351,11 +351,11 @@ class EvictingManagerMachine(ManagerMachine):
         """After a step: a sequence's policy releases blocks (H2O scores them by a random mass)."""
         seq_id = data.draw(st.sampled_from([s for s in self.untouched() if not self.mgr.is_swapped(s)]))
         table = self.mgr.block_table(seq_id)
-        holders = {b: self.mgr.pool.blocks[b].ref_count for b in table if b >= 0}
+        holders = {b: self.mgr.pool.blocks[b].ref_count for b in table if b is not None}
         mass = data.draw(st.lists(st.floats(0, 1), min_size=len(table), max_size=len(table)))
         released = self.mgr.evict(seq_id, self.computed[seq_id], mass)
         after = self.mgr.block_table(seq_id)
-        gone = [b for b, a in zip(table, after, strict=True) if b >= 0 and a < 0]
+        gone = [b for b, a in zip(table, after, strict=True) if b is not None and a is None]
         assert len(gone) == released
         for b in gone:  # this sequence's reference went; every other holder keeps the block
             assert self.mgr.pool.blocks[b].ref_count == holders[b] - 1
@@ -405,7 +405,7 @@ class EvictingManagerMachine(ManagerMachine):
         self.mem.rotate(rotations)
         table, bs = self.mgr.block_table(seq_id), self.mgr.block_size
         computed = self.computed[seq_id]
-        expect = [tok for t, tok in enumerate(self.tokens[seq_id][:computed]) if table[t // bs] >= 0]
+        expect = [tok for t, tok in enumerate(self.tokens[seq_id][:computed]) if table[t // bs] is not None]
         assert self.mem.read_attended(seq_id)[: len(expect)] == expect
 
 

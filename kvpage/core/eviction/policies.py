@@ -1,8 +1,15 @@
 """Eviction policies for contexts longer than the KV budget: which whole blocks a sequence releases.
 
-Both policies work at block granularity on one sequence's block table; the KV-cache manager applies
-their answer (`KVCacheManager.evict`), leaving a hole in the table, and the attention backends see
-only the blocks that remain (kvpage/core/kv_cache_manager.py: `attention_table`).
+A policy is an object the core asks, never a name it tests: how long a prompt chunk may be
+(`chunk_tokens`), how many slots a sequence holds before a step (`slots_upto`), how much of a
+prompt admission may give slots and hits to (`admission_cap`), whether attention must sum its
+softmax mass per block (`wants_mass`), whether positions are those inside the cache (`reposition`,
+`unbounded`) and, after a step, which blocks go (`evict`). `NO_EVICTION` answers for requests that
+keep everything. The per-sequence state (scores, sink copies) lives in windows.py.
+
+Both real policies work at block granularity on one sequence's block table; the KV-cache manager
+applies their answer, leaving a hole in the table, and the attention backends see only the blocks
+that remain (windows.py: `attention_view`).
 
     StreamingLLM (Xiao et al., 2023): the first `sink_tokens` tokens ("attention sinks": most
         attention mass lands on them whatever they say) plus a window of the last `window_tokens`.
@@ -25,15 +32,74 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+from kvpage.core.block import cdiv as _cdiv
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+class EvictionPolicy(Protocol):
+    name: str
+    evicts: bool  # False only for NO_EVICTION
+    wants_mass: bool  # scored by the attention mass each block receives (the backends sum softmax)
+    reposition: bool  # sink keys seen at cache positions (sink copies are kept rotated)
+    unbounded: bool  # no distance longer than the cache: it may run past max_model_len
+
+    def chunk_tokens(self, block_size: int) -> int | None: ...  # longest prompt chunk; None: no cap
+    def admission_cap(self, block_size: int) -> int | None: ...  # tokens admitted with slots and hits
+    def slots_upto(self, computed_after: int, num_tokens: int) -> int: ...  # slots held before a step
+    def sink_blocks(self, block_size: int) -> int: ...
+    def evict(self, kept: Sequence[int], num_tokens: int, block_size: int, scores: Sequence[float]) -> list[int]: ...
+    def describe(self) -> str: ...
 
 
 @dataclass(frozen=True, slots=True)
-class StreamingLLM:
+class NoEviction:
+    """Keep every block: slots for all tokens at once, prompt chunks as long as the budget."""
+
+    name = "none"
+    evicts = False
+    wants_mass = False
+    reposition = False
+    unbounded = False
+
+    def chunk_tokens(self, block_size: int) -> int | None:
+        return None
+
+    def admission_cap(self, block_size: int) -> int | None:
+        return None
+
+    def slots_upto(self, computed_after: int, num_tokens: int) -> int:
+        return num_tokens
+
+    def sink_blocks(self, block_size: int) -> int:
+        return 0
+
+    def evict(self, kept: Sequence[int], num_tokens: int, block_size: int, scores: Sequence[float]) -> list[int]:
+        return []
+
+    def describe(self) -> str:
+        return "none"
+
+
+NO_EVICTION = NoEviction()
+
+
+class _Bounded:
+    """What both real policies answer alike: memory stays bounded, so a sequence holds slots only
+    for what it computes next and is admitted with slots (and hits) for its budget only."""
+
+    __slots__ = ()
+    evicts = True
+
+    def slots_upto(self, computed_after: int, num_tokens: int) -> int:
+        return computed_after
+
+    def admission_cap(self, block_size: int) -> int | None:
+        return self.budget_tokens(block_size)  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamingLLM(_Bounded):
     sink_tokens: int = 4
     window_tokens: int = 1020
     name = "streaming"
@@ -67,7 +133,7 @@ class StreamingLLM:
 
 
 @dataclass(frozen=True, slots=True)
-class H2O:
+class H2O(_Bounded):
     heavy_tokens: int = 512
     recent_tokens: int = 512
     name = "h2o"
@@ -101,16 +167,17 @@ class H2O:
         return f"h2o(heavy_tokens={self.heavy_tokens}, recent_tokens={self.recent_tokens})"
 
 
-EvictionPolicy = StreamingLLM | H2O
 _KINDS: dict[str, type] = {"streaming": StreamingLLM, "streamingllm": StreamingLLM, "h2o": H2O}
 
 
-def parse_eviction(spec: Any, field_name: str = "kv_eviction") -> EvictionPolicy | None:
+def parse_eviction(spec: Any, field_name: str = "kv_eviction") -> StreamingLLM | H2O | None:
     """A policy from a policy object, None / "none", a mapping {"policy": "streaming", "sink_tokens": 4,
     "window_tokens": 1020}, or a string "streaming", "streaming:sink_tokens=4,window_tokens=1020",
     "h2o:heavy_tokens=256,recent_tokens=256". ValueError naming the field otherwise."""
     if spec is None or isinstance(spec, StreamingLLM | H2O):
         return spec
+    if isinstance(spec, NoEviction):
+        return None
     if isinstance(spec, str):
         kind, _, rest = spec.strip().partition(":")
         params: dict[str, Any] = {}

@@ -1,0 +1,177 @@
+"""Registration of computed blocks in the prefix cache, with commit / discard, and prefix lookups.
+
+In-batch prefix sharing: `register` offers a full block as soon as the step that writes its KV is
+scheduled, so a sequence admitted later in the same step hits it. That is safe because every layer
+writes all of a step's new K/V before any sequence attends. Registrations wait in an "uncommitted"
+list until `commit()`; if the step fails, `discard()` forgets them so no one can hit a block whose
+KV was never written (and no copy of it goes to the CPU tier).
+
+`find` looks a prompt's leading full blocks up in the GPU pool's map, then in the CPU tier
+(cpu_tier.py); `take` gives a new block table its hits: references to the GPU ones, restored copies
+of the tier ones. With prefix caching off every lookup misses and nothing is registered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvpage.core.block import Block
+from kvpage.core.block_pool import BlockPool
+from kvpage.core.block_table import BlockTable
+from kvpage.core.cpu_tier import CpuTier
+from kvpage.core.invariants import check
+from kvpage.core.prefix_cache import CacheKey, PrefixCache, extra_keys_for, hash_block
+
+
+@dataclass(slots=True)
+class CachedPrefix:
+    """The longest run of leading full blocks of a prompt found in the prefix cache."""
+
+    block_ids: list[int | None]  # GPU blocks hit; None where the hit is on the CPU tier
+    block_hashes: list[bytes]  # the chain digests of those blocks
+    num_tokens: int  # tokens covered: len(block_ids) * block_size
+    num_query_tokens: int  # length of the prompt that was looked up
+    cache_salt: str | None = None
+    tier_block_ids: dict[int, int] = field(default_factory=dict)  # index -> tier block
+
+
+class PrefixRegistry:
+    def __init__(self, pool: BlockPool, block_size: int, tier: CpuTier | None = None) -> None:
+        self.pool = pool
+        self.cache: PrefixCache | None = pool.prefix_cache  # None: prefix caching is off
+        self.block_size = block_size
+        self.tier = tier if self.cache is not None else None
+        self._uncommitted: list[Block] = []  # registered by the step being run
+        if self.tier is not None:
+            pool.on_evict = self._offload
+
+    @property
+    def enabled(self) -> bool:
+        return self.cache is not None
+
+    # ------------------------------------------------------------------ lookups
+    def find(self, token_ids: Sequence[int], cache_salt: str | None = None) -> CachedPrefix:
+        """Leading full blocks of `token_ids` already in the cache. The last token is never served
+        from cache (its logits must be computed), so at most (len - 1) // block_size blocks hit."""
+        prefix = CachedPrefix([], [], 0, len(token_ids), cache_salt)
+        if self.cache is None:
+            return prefix
+        bs, parent = self.block_size, None
+        for i in range((len(token_ids) - 1) // bs):
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            digest = hash_block(parent, chunk, extra_keys_for(i, cache_salt))
+            block = self.cache.lookup(digest, chunk)
+            if block is None:
+                tier_block = self.tier.lookup(digest, chunk) if self.tier is not None else None
+                if tier_block is None:
+                    break
+                prefix.tier_block_ids[i] = tier_block
+            prefix.block_ids.append(block.block_id if block is not None else None)
+            prefix.block_hashes.append(digest)
+            parent = digest
+        prefix.num_tokens = len(prefix.block_ids) * bs
+        return prefix
+
+    def hit_blocks(self, prefix: CachedPrefix | None) -> list[Block]:
+        """The GPU blocks a prefix hits (its tier hits are checked, not returned)."""
+        if prefix is None or not prefix.block_ids:
+            return []
+        blocks = []
+        for i, (b, digest) in enumerate(zip(prefix.block_ids, prefix.block_hashes, strict=True)):
+            if i in prefix.tier_block_ids:
+                fresh = self.tier is not None and self.tier.holds(prefix.tier_block_ids[i], digest)
+            else:
+                block = self.pool.blocks[b]  # type: ignore[index]
+                fresh = block.cache_key is not None and block.cache_key.digest == digest
+                blocks.append(block)
+            if not fresh:
+                raise RuntimeError("stale CachedPrefix: a hit block was reused since the lookup")
+        return blocks
+
+    def take(self, prefix: CachedPrefix | None) -> BlockTable:
+        """A new table holding `prefix`'s hits (references taken, tier hits restored)."""
+        if prefix is None:
+            return BlockTable([], 0)
+        for block in self.hit_blocks(prefix):
+            self.pool.incref(block)
+        block_ids = list(prefix.block_ids)
+        if prefix.tier_block_ids:
+            restored = self.tier.restore(prefix.tier_block_ids, self.pool, self._register)  # type: ignore[union-attr]
+            for i, b in restored.items():
+                block_ids[i] = b
+        if self.cache is not None and prefix.num_query_tokens:
+            self.cache.num_query_tokens += prefix.num_query_tokens
+            self.cache.num_hit_tokens += prefix.num_tokens
+        n = len(block_ids)
+        return BlockTable(block_ids, n * self.block_size, prefix.cache_salt, list(prefix.block_hashes), n)
+
+    # ------------------------------------------------------------------ registration
+    def register(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int) -> None:
+        """The KV of the table's first `num_tokens` tokens is written (or is being written by the step
+        now scheduled): register its full blocks as hits. Not for a table with holes (its later KV
+        attended to a partial context) or on the CPU pool."""
+        if self.cache is None or table.on_cpu or table.num_holes:
+            return
+        bs, num_full = self.block_size, num_tokens // self.block_size
+        for i in range(table.num_registered, num_full):
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            parent = table.block_hashes[i - 1] if i else None
+            if i == len(table.block_hashes):
+                table.block_hashes.append(hash_block(parent, chunk, extra_keys_for(i, table.cache_salt)))
+            key = CacheKey(table.block_hashes[i], parent, chunk, extra_keys_for(i, table.cache_salt))
+            self._register(self.pool.blocks[table.block_ids[i]], key)  # type: ignore[index]
+        table.num_registered = max(table.num_registered, num_full)
+
+    def _register(self, block: Block, key: CacheKey) -> None:
+        if self.cache.register(block, key):  # type: ignore[union-attr]
+            self._uncommitted.append(block)
+
+    def commit(self) -> None:
+        """The scheduled step ran: every block registered for it now holds its KV."""
+        self._uncommitted.clear()
+        if self.tier is not None:
+            self.tier.unpin()
+
+    def discard(self, tables: Iterable[BlockTable]) -> None:
+        """The scheduled step failed: forget the blocks registered for it (their KV was never
+        written); registration of each table starts again where its valid blocks end."""
+        for block in self._uncommitted:
+            if block.cache_key is not None:
+                self.pool.uncache(block)
+        if self.tier is not None:
+            self.tier.unpin()
+        for table in tables:
+            while table.num_registered and not table.on_cpu:
+                b = table.block_ids[table.num_registered - 1]
+                if b is None or self.pool.blocks[b].cache_key is not None:
+                    break
+                table.num_registered -= 1
+        self._uncommitted.clear()
+
+    def _offload(self, block: Block) -> None:
+        """`block` is about to be reused: a copy for the tier, if a committed step wrote its KV."""
+        if block not in self._uncommitted:
+            self.tier.offload(block)  # type: ignore[union-attr]
+
+    def reset(self) -> bool:
+        """Forget every registration (GPU pool and tier); only when no block is in use."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        return self.tier is None or self.tier.reset()
+
+    # ------------------------------------------------------------------ checks
+    def check_invariants(self) -> None:
+        if self.cache is not None:
+            bs = self.block_size
+            for digest, block in self.cache.items():
+                key = block.cache_key
+                check(key is not None and key.digest == digest, lambda: f"block {block.block_id}: hash map entry")
+                check(key.is_consistent() and len(key.token_ids) == bs,  # type: ignore[union-attr]
+                      f"block {block.block_id}: stored tokens do not hash to its key")  # fmt: skip
+            registered = sum(b.cache_key is not None for b in self.pool.blocks)
+            check(registered == len(self.cache), "a block carries a key the map does not hold")
+        if self.tier is not None:
+            self.tier.check_invariants()
+        check(all(b.cache_key is not None and b.ref_count > 0 for b in self._uncommitted),
+              "an uncommitted registration was evicted or freed before its step ended")  # fmt: skip
