@@ -10,7 +10,7 @@ budget (--budget) at each block size. Per block size:
   table        block-table entries the attention read per step (the per-block cost: one gather each)
   decode ms    one decode step of 16 sequences at 512 tokens of context (the kernels' per-block cost)
 Beside them: the seed's rule max(64, 2^floor(log2(avg_len / 4))) for this workload's lengths, the
-advice of `kvpage blocks` (kvpage/tools/block_advisor.py) and the block size measured best.
+advice of `kvpage blocks` (kvpage/core/block_advisor.py) and the block size measured best.
 
     python benchmarks/block_size.py [--budget 96MiB] [--requests 48] [--quick | --smoke] [--no-results]
 """
@@ -28,7 +28,7 @@ from sharing import SYSTEM
 
 from kvpage import LLM, SamplingParams
 from kvpage.config import parse_bytes
-from kvpage.tools.block_advisor import advise, seed_rule
+from kvpage.core.block_advisor import advise, seed_rule
 from kvpage.tools.perplexity import english_corpus
 
 

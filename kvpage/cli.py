@@ -13,88 +13,48 @@ from pathlib import Path
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    """Every EngineConfig field as an option: its name, default and help come from the config."""
+    from dataclasses import MISSING, fields
+
+    from kvpage.config import EngineConfig
+
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default="smollm2", help="model name, .gguf file or model directory (default smollm2)")
-    g.add_argument(
-        "--dtype",
-        default="auto",
-        help="auto, float32, bfloat16 or float16 (default auto: bfloat16 where "
-        "the CPU computes it natively, else float32)",
-    )
-    g.add_argument("--weight-dtype", choices=["int8", "int4"], default=None,
-                   help="weight-only quantized linear layers: int8 (Q8_0-style) or int4 (Q4_1-style), "
-                   "groups of 32 (default: unquantized)")  # fmt: skip
-    g.add_argument(
-        "--attention-backend",
-        choices=["auto", "cpu", "torch", "triton"],
-        default="auto",
-        help="auto (default): kvpage's compiled CPU kernels where they build, the Triton kernels on CUDA, "
-        "else the torch reference",
-    )
-    g.add_argument("--device", default="cpu", help="where the model and KV cache live: cpu (default) or cuda")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="on CUDA without --kv-cache-memory / --num-kv-blocks: the share of the GPU's memory to use, "
-                   "the KV pool sized into it after a profiling forward (default 0.9)")  # fmt: skip
-    g.add_argument("--block-size", type=_block_size, default=16,
-                   help="tokens per KV block (default 16), or 'auto': the advice of `kvpage blocks` for "
-                   "--block-size-lengths")  # fmt: skip
-    g.add_argument("--block-size-lengths", default=None,
-                   help="with --block-size auto: the lengths to hold at once, LENGTH:COUNT,... or a JSONL file "
-                   "(as `kvpage blocks` reads); they size the pool too unless --kv-cache-memory or "
-                   "--num-kv-blocks is given")  # fmt: skip
-    g.add_argument("--kv-cache-memory", default=None, help="memory for the KV cache, e.g. 512MiB (default 512MiB)")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="size the KV cache in blocks instead")
-    g.add_argument("--swap-space", default="0", help="CPU memory for swapped-out blocks, e.g. 1GiB (default 0)")
-    g.add_argument("--cpu-offload-memory", default="0",
-                   help="a CPU tier for the prefix cache, e.g. 2GiB: evicted prefix blocks are kept there and "
-                   "brought back on a hit instead of recomputed (default 0: none)")  # fmt: skip
-    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once (default 256)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (default 2048)")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
-    g.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
-                   help="KV blocks in the model's dtype (auto, the default), or int8 / fp8 with a float32 scale "
-                   "per token and kv head: ~1.9x the blocks of bfloat16 in the same memory")  # fmt: skip
-    g.add_argument("--kv-eviction", default=None,
-                   help="every request's eviction policy for contexts longer than the budget: "
-                   "'streaming[:sink_tokens=4,window_tokens=1020]' (StreamingLLM; runs past max_model_len) or "
-                   "'h2o[:heavy_tokens=512,recent_tokens=512]' (default: none; a request's own overrides)")  # fmt: skip
-    g.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
-    g.add_argument("--deterministic", action="store_true",
-                   help="bit-identical tokens and logprobs whatever the batch, prefix hits or chunking "
-                        "(slower prefill)")  # fmt: skip
-    g.add_argument("--verify-kv-every", type=int, default=0, metavar="N",
-                   help="check the KV cache every N steps (finite values; with --deterministic a recompute "
-                        "of cached prefixes, bit for bit); mismatches are logged and counted in /metrics "
-                        "(default 0: never)")  # fmt: skip
-    g.add_argument("--seed", type=int, default=0, help="engine seed (default 0)")
+    for f in fields(EngineConfig):
+        meta = f.metadata
+        if "help" not in meta:
+            continue
+        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+        if isinstance(f.default, bool):
+            action = "store_false" if f.default else "store_true"
+            g.add_argument(flag, dest=f.name, action=action, default=f.default, help=meta["help"])
+            continue
+        kind = meta.get("type")
+        g.add_argument(flag, dest=f.name, default=None if f.default is MISSING else f.default,
+                       type=_argparse_type(kind) if kind else None, choices=meta.get("choices"),
+                       help=meta["help"])  # fmt: skip
 
 
-def _block_size(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a power of two or 'auto', got {text!r}") from None
+def _argparse_type(parse):
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = getattr(parse, "__name__", "value").strip("_").removeprefix("cli_")
+    return convert
 
 
 def _make_llm(args: argparse.Namespace):
-    from kvpage import LLM
+    from dataclasses import fields
 
-    kw = dict(dtype=args.dtype, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
-              block_size=args.block_size, swap_space=args.swap_space,
-              cpu_offload_memory=args.cpu_offload_memory,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-              seed=args.seed, weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype,
-              attention_backend=args.attention_backend, kv_eviction=args.kv_eviction,
-              block_size_lengths=args.block_size_lengths, deterministic=args.deterministic,
-              verify_kv_every=args.verify_kv_every)  # fmt: skip
-    if args.num_kv_blocks is not None:
-        kw["num_kv_blocks"] = args.num_kv_blocks
-    else:
-        kw["kv_cache_memory"] = args.kv_cache_memory  # None: the engine's default
-    llm = LLM(args.model, **kw)
+    from kvpage import LLM
+    from kvpage.config import EngineConfig
+
+    kw = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if "help" in f.metadata}
+    if kw["num_kv_blocks"] is not None:
+        kw.pop("kv_cache_memory")  # the pool is sized in blocks
+    llm = LLM(**kw)
     cfg = llm.llm_engine.config
     if cfg.block_size_advice is not None:
         a = cfg.block_size_advice
@@ -299,7 +259,7 @@ def _estimate(args) -> int:
 
 
 def _blocks(args) -> int:
-    from kvpage.tools.block_advisor import BLOCK_COST, advise, parse_histogram, read_lengths
+    from kvpage.core.block_advisor import BLOCK_COST, advise, parse_histogram, read_lengths
 
     if bool(args.lengths_file) == bool(args.histogram):
         raise ValueError("give exactly one of --lengths-file and --histogram")

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvpage.core.eviction import NO_EVICTION, EvictionPolicy, parse_eviction
-from kvpage.core.kv_bytes import KV_CACHE_DTYPES
+from kvpage.core.kv_bytes import KV_CACHE_DTYPES, MODEL_DTYPE_NAMES
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -28,41 +28,117 @@ def parse_bytes(value: int | str, field_name: str) -> int:
     return n
 
 
+def _cli_int(text: str) -> int:
+    return int(text)
+
+
+def _cli_block_size(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"a power of two or 'auto', got {text!r}") from None
+
+
+def _opt(default: Any, help: str, **cli: Any) -> Any:
+    """A field, its help and how the command line takes it (`type`, `choices`, `flag`): the one source
+    of every engine option's name, default and help (kvpage/cli.py derives its options from these)."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass(slots=True)
 class EngineConfig:
-    model: str = "smollm2"
-    dtype: str = "auto"  # bfloat16 where the hardware computes it natively, else float32
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8" or "fp8": quantized KV blocks
-    weight_dtype: str | None = None  # "int8" / "int4": weight-only quantized linear layers (models/weight_quant.py)
-    block_size: int | str = 16  # or "auto": the advice of kvpage/tools/block_advisor.py for block_size_lengths
-    kv_cache_memory: int | str | None = None  # bytes for the KV cache; default 512MiB unless num_kv_blocks
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    swap_space: int | str = 0  # bytes of CPU memory for swapped-out blocks
-    cpu_offload_memory: int | str = 0  # bytes of the CPU tier that keeps evicted prefix-cache blocks
-    preemption_mode: str | None = None  # "recompute", "swap", or None: swap when it fits, else recompute
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's context length
-    seed: int = 0
-    watermark: float = 0.01
-    device: str = "cpu"  # "cpu" or "cuda" (or "cuda:N")
-    # on CUDA without kv_cache_memory / num_kv_blocks: the share of the device's memory the engine may use,
-    # the KV pool sized into it after a profiling forward (worker/gpu_memory.py)
-    gpu_memory_utilization: float = 0.9
-    attention_backend: str = "auto"  # "cpu": compiled kernels, "triton": Triton kernels, "torch": reference
-    # every request's eviction policy unless it names its own: None, "streaming[:sink_tokens=..,window_tokens=..]",
-    # "h2o[:heavy_tokens=..,recent_tokens=..]", a mapping or a policy object (kvpage/core/eviction/);
-    # parsed once, here: afterwards always an EvictionPolicy (NO_EVICTION when off)
-    kv_eviction: EvictionPolicy | Any = None
-    # with block_size="auto": the lengths (prompt + output) of the sequences to hold at once, as a mapping
-    # {length: count}, "LENGTH:COUNT,..." or a JSONL path; they also size the pool unless memory or blocks are given
-    block_size_lengths: Any = None
+    model: str = _opt("smollm2", "model name, .gguf file or model directory (default smollm2)")
+    dtype: str = _opt(
+        "auto",
+        "auto, float32, bfloat16 or float16 (default auto: bfloat16 where the CPU computes it natively, else float32)",
+    )
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "KV blocks in the model's dtype (auto, the default), or int8 / fp8 with a "
+        "float32 scale per token and kv head: ~1.9x the blocks of bfloat16 in the same memory",
+        choices=["auto", "int8", "fp8"],
+    )
+    weight_dtype: str | None = _opt(
+        None,
+        "weight-only quantized linear layers: int8 (Q8_0-style) or int4 "
+        "(Q4_1-style), groups of 32 (default: unquantized)",
+        choices=["int8", "int4"],
+    )
+    block_size: int | str = _opt(
+        16,
+        "tokens per KV block (default 16), or 'auto': the advice of `kvpage blocks` for --block-size-lengths",
+        type=_cli_block_size,
+    )
+    kv_cache_memory: int | str | None = _opt(None, "memory for the KV cache, e.g. 512MiB (default 512MiB)")
+    num_kv_blocks: int | None = _opt(None, "size the KV cache in blocks instead", type=_cli_int)
+    enable_prefix_caching: bool = _opt(True, "turn automatic prefix caching off", flag="--no-prefix-caching")
+    swap_space: int | str = _opt(0, "CPU memory for swapped-out blocks, e.g. 1GiB (default 0)")
+    cpu_offload_memory: int | str = _opt(
+        0,
+        "a CPU tier for the prefix cache, e.g. 2GiB: evicted prefix blocks "
+        "are kept there and brought back on a hit instead of recomputed "
+        "(default 0: none)",
+    )
+    preemption_mode: str | None = _opt(
+        None,
+        "how a preempted request gives its blocks back: recompute, or swap "
+        "(to --swap-space); default: swap when it fits, else recompute",
+        choices=["recompute", "swap"],
+    )
+    max_num_seqs: int = _opt(256, "sequences running at once (default 256)", type=_cli_int)
+    max_num_batched_tokens: int = _opt(2048, "tokens per step (default 2048)", type=_cli_int)
+    max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's)", type=_cli_int)
+    seed: int = _opt(0, "engine seed (default 0)", type=_cli_int)
+    watermark: float = _opt(
+        0.01,
+        "share of the KV blocks kept free for running sequences to grow into when a request is admitted (default 0.01)",
+        type=float,
+    )
+    device: str = _opt("cpu", "where the model and KV cache live: cpu (default) or cuda")
+    gpu_memory_utilization: float = _opt(
+        0.9,
+        "on CUDA without --kv-cache-memory / --num-kv-blocks: the share of "
+        "the GPU's memory to use, the KV pool sized into it after a profiling "
+        "forward (default 0.9)",
+        type=float,
+    )
+    attention_backend: str = _opt(
+        "auto",
+        "auto (default): kvpage's compiled CPU kernels where they build, the "
+        "Triton kernels on CUDA, else the torch reference",
+        choices=["auto", "cpu", "torch", "triton"],
+    )
+    # parsed once, in __post_init__: afterwards always an EvictionPolicy (NO_EVICTION when off); also a
+    # mapping or a policy object from Python (kvpage/core/eviction/)
+    kv_eviction: EvictionPolicy | Any = _opt(
+        None,
+        "every request's eviction policy for contexts longer than the "
+        "budget: 'streaming[:sink_tokens=4,window_tokens=1020]' (StreamingLLM; "
+        "runs past max_model_len) or 'h2o[:heavy_tokens=512,recent_tokens=512]' "
+        "(default: none; a request's own overrides)",
+    )
+    block_size_lengths: Any = _opt(
+        None,
+        "with --block-size auto: the lengths to hold at once, LENGTH:COUNT,... or "
+        "a JSONL file (as `kvpage blocks` reads; from Python also a {length: count} "
+        "mapping); they size the pool too unless --kv-cache-memory or --num-kv-blocks "
+        "is given",
+    )
     block_size_advice: Any = field(default=None, init=False)  # the Advice behind an "auto" block size
-    # every token and logprob bit-identical whatever the batch, the prefix hits, the chunking or the
-    # preemption (kvpage/models/batch_invariant.py); CPU kernels, float32 / bfloat16, auto / int8 KV
-    deterministic: bool = False
-    verify_kv_every: int = 0  # check the KV cache every N steps (engine/kv_verifier.py); 0: never
+    deterministic: bool = _opt(
+        False,
+        "bit-identical tokens and logprobs whatever the batch, prefix hits, chunking "
+        "or preemption (kvpage/models/batch_invariant.py; slower prefill)",
+    )
+    verify_kv_every: int = _opt(
+        0,
+        "check the KV cache every N steps (finite values; with --deterministic a "
+        "recompute of cached prefixes, bit for bit); mismatches are logged and counted in "
+        "/metrics (default 0: never)",
+        type=_cli_int,
+    )
 
     def __post_init__(self) -> None:
         self._resolve_block_size()
@@ -94,7 +170,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.weight_dtype not in (None, "int8", "int4"):
             raise ValueError(f"weight_dtype must be int8, int4 or None; got {self.weight_dtype!r}")
-        if self.dtype not in ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half"):
+        if self.dtype != "auto" and self.dtype not in MODEL_DTYPE_NAMES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16; got {self.dtype!r}")
         if self.preemption_mode not in (None, "recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute', 'swap' or None, got {self.preemption_mode!r}")
@@ -138,7 +214,7 @@ class EngineConfig:
         if self.block_size_lengths is None:
             raise ValueError("block_size='auto' needs block_size_lengths: the sequence lengths to advise on "
                              "(a {length: count} mapping, 'LENGTH:COUNT,...' or a JSONL path)")  # fmt: skip
-        from kvpage.tools.block_advisor import advise, histogram_from
+        from kvpage.core.block_advisor import advise, histogram_from
 
         try:
             advice = advise(histogram_from(self.block_size_lengths))

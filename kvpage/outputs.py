@@ -39,4 +39,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None  # set when the request failed alone (e.g. it can never fit)
+    rejected: bool = False  # the error is the request's own: it can never run here (a 400, not a 500)
     metrics: dict = field(default_factory=dict)

@@ -4,10 +4,12 @@ is made; a wrong or unknown field raises ValueError naming it, before any block 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
 from kvpage.core.eviction import NO_EVICTION, EvictionPolicy, parse_eviction
+from kvpage.errors import ParameterError
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs: at most this many top log-probabilities per position
@@ -24,19 +26,21 @@ def _int(name: str, v: Any, lo: int | None = None, allow_none: bool = False) -> 
     if v is None and allow_none:
         return
     if not isinstance(v, int) or isinstance(v, bool) or (lo is not None and v < lo):
-        raise ValueError(f"{name} must be an integer{f' >= {lo}' if lo is not None else ''}, got {v!r}")
+        raise ParameterError(
+            _field(name), f"{name} must be an integer{f' >= {lo}' if lo is not None else ''}, got {v!r}"
+        )
 
 
 def _float(name: str, v: Any, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> None:
     """A finite number (NaN fails every comparison, so it is rejected before the bounds); with `lo`,
     also in [lo, hi], or (lo, hi] when `lo_open`; `hi` None: no upper bound."""
     if not isinstance(v, int | float) or isinstance(v, bool):
-        raise ValueError(f"{name} must be a number, got {v!r}")
+        raise ParameterError(_field(name), f"{name} must be a number, got {v!r}")
     if isinstance(v, float) and not math.isfinite(v):
-        raise ValueError(f"{name} must be a finite number, got {v!r}")
+        raise ParameterError(_field(name), f"{name} must be a finite number, got {v!r}")
     if lo is not None and (v < lo or (lo_open and v == lo) or (hi is not None and v > hi)):
         bound = f"in {'(' if lo_open else '['}{lo}, {hi}]" if hi is not None else f"{'>' if lo_open else '>='} {lo}"
-        raise ValueError(f"{name} must be {bound}, got {v!r}")
+        raise ParameterError(_field(name), f"{name} must be {bound}, got {v!r}")
 
 
 @dataclass(slots=True, kw_only=True)
@@ -87,32 +91,38 @@ class SamplingParams(_SamplingFields):
         _int("max_tokens", self.max_tokens, 1, allow_none=True)
         _int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+            raise ParameterError(
+                "min_tokens", f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is not None and (
             not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop)
         ):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise ParameterError("stop", f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if self.stop_token_ids is not None and (
             not isinstance(self.stop_token_ids, list)
             or not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids)
         ):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            raise ParameterError(
+                "stop_token_ids", f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _int(name, value, 0, allow_none=True)
             if value is not None and value > MAX_LOGPROBS:
-                raise ValueError(f"{name} must be <= {MAX_LOGPROBS}, got {value!r}")
+                raise ParameterError(_field(name), f"{name} must be <= {MAX_LOGPROBS}, got {value!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError(f"logit_bias must be a map of token id to bias, got {self.logit_bias!r}")
+                raise ParameterError(
+                    "logit_bias", f"logit_bias must be a map of token id to bias, got {self.logit_bias!r}"
+                )
             for tok, bias in self.logit_bias.items():
                 _int("logit_bias token id", tok, 0)
                 _float(f"logit_bias[{tok}]", bias, -100.0, 100.0)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise ParameterError(_field(name), f"{name} must be true or false, got {getattr(self, name)!r}")
         self.kv_eviction = parse_kv_eviction(self.kv_eviction)
 
     @property
@@ -148,9 +158,11 @@ class BeamSearchParams(_BeamFields):
         _int("max_tokens", self.max_tokens, 1)
         _float("length_penalty", self.length_penalty)
         if self.temperature != 0.0:
-            raise ValueError("temperature must be 0 for beam search (only deterministic beam search is supported)")
+            raise ParameterError(
+                "temperature", "temperature must be 0 for beam search (only deterministic beam search is supported)"
+            )
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+            raise ParameterError("ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         self.kv_eviction = parse_kv_eviction(self.kv_eviction)
 
 
@@ -160,3 +172,8 @@ def parse_kv_eviction(spec: Any) -> EvictionPolicy | None:
     if spec is None:
         return None
     return parse_eviction(spec) or NO_EVICTION
+
+
+def _field(name: str) -> str:
+    """The request field a check's name is about: "logit_bias[3]" and "logit_bias token id" are logit_bias's."""
+    return re.split(r"[\[ ]", name, maxsplit=1)[0]

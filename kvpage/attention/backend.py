@@ -33,7 +33,23 @@ _BACKENDS = {
 
 
 class AttentionBackend(Protocol):
+    """What a backend provides. `allocate_kv` and `forward` are the whole contract the model and the
+    KV cache use; `fuses_decode` tells the model runner whether a pure decode step may run in one
+    compiled call instead (worker/fused_decode.py: only for the CPU kernels' layout and decode).
+
+    The reference backend (torch_ref.py) implements `forward` as three steps a backend may override
+    one by one, leaving the others to the shared fallback (subclass TorchReferenceBackend):
+
+        write(k, v, kv, slots)                          the step's new K/V into their slots
+        decodes(out, q, kv, meta, scale)                the first num_decodes queries, one token each
+        prefill_chunk(out, q, k, v, kv, meta, i, scale) sequence i's chunk (its K/V already written)
+
+    and the fallback handles what a fast kernel may decline: H2O's attention mass
+    (`meta.block_mass`), a cache dtype the kernel does not read (fp8), a chunk too long to run as
+    decodes. The CPU backend overrides all three; the Triton backend `write`, `decodes` and `prefills`."""
+
     name: str
+    fuses_decode: bool
 
     def allocate_kv(
         self,
@@ -42,7 +58,7 @@ class AttentionBackend(Protocol):
         block_size: int,
         head_dim: int,
         dtype: torch.dtype,
-        kind: str,  # the KV dtype: "auto" (dtype) / "int8" / "fp8"
+        kv_dtype: str,  # the KV dtype: "auto" (dtype) / "int8" / "fp8"
         device: str | torch.device,
         pin: bool = False,
     ) -> LayerKV:
@@ -66,13 +82,13 @@ def resolve_backend(name: str, device: str | torch.device = "cpu") -> str:
     a CUDA device where triton imports, else the reference."""
     if name != "auto":
         return name
-    kind = torch.device(device).type
-    if kind == "cpu":
+    device_type = torch.device(device).type
+    if device_type == "cpu":
         from kvpage.ops import load
 
         if load():
             return "cpu"
-    elif kind == "cuda":
+    elif device_type == "cuda":
         from kvpage.attention.triton_paged import unavailable_reason
 
         if unavailable_reason(device) is None:

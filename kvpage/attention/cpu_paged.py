@@ -29,6 +29,7 @@ SHORT_CHUNK = 16
 
 class CpuPagedBackend(TorchReferenceBackend):
     name = "cpu"
+    fuses_decode = True  # the runner may run a pure decode step in one compiled call (worker/fused_decode.py)
 
     def __init__(self) -> None:
         super().__init__()
@@ -80,4 +81,4 @@ def _kernel_reads(kv: LayerKV, dtype: torch.dtype) -> bool:
     scales); fp8 caches take the reference path."""
     if dtype not in KERNEL_DTYPES:
         return False
-    return kv.kind == "int8" if kv.quantized else kv.k.dtype == dtype
+    return kv.kv_dtype == "int8" if kv.quantized else kv.k.dtype == dtype

@@ -24,7 +24,7 @@ class LayerKV:
     v: torch.Tensor
     k_scale: torch.Tensor | None = None  # [num_blocks, kv_heads, block_size] float32, quantized only
     v_scale: torch.Tensor | None = None
-    kind: str = "auto"  # "auto" (values in the compute dtype), "int8" or "fp8"
+    kv_dtype: str = "auto"  # "auto" (values in the compute dtype), "int8" or "fp8"
 
     @property
     def quantized(self) -> bool:
@@ -36,12 +36,12 @@ class LayerKV:
         return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in out]
 
     @classmethod
-    def allocate(cls, shape: tuple[int, ...], dtype: torch.dtype, kind: str, device, pin: bool = False) -> LayerKV:
+    def allocate(cls, shape: tuple[int, ...], dtype: torch.dtype, kv_dtype: str, device, pin: bool = False) -> LayerKV:
         def zeros(s, d):
             return torch.zeros(s, dtype=d, device=device, pin_memory=pin)
 
-        if kind not in QUANTIZED_KV_DTYPES:
+        if kv_dtype not in QUANTIZED_KV_DTYPES:
             return cls(zeros(shape, dtype), zeros(shape, dtype))
-        store = STORAGE[kind]
+        store = STORAGE[kv_dtype]
         return cls(zeros(shape, store), zeros(shape, store), zeros(shape[:3], torch.float32),
-                   zeros(shape[:3], torch.float32), kind)  # fmt: skip
+                   zeros(shape[:3], torch.float32), kv_dtype)  # fmt: skip

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvpage.core.block import cdiv
+
 DECODE_GROUP = 32  # decodes attended together; bigger groups pad more, smaller ones loop more
 
 
@@ -53,7 +55,7 @@ class AttentionMetadata:
             for g in range(0, self.num_decodes, DECODE_GROUP):
                 rows = by_len[g : g + DECODE_GROUP]
                 max_len = lens[rows[-1]]
-                padded = -(-max_len // bs) * bs
+                padded = cdiv(max_len, bs) * bs
                 row_lens = torch.tensor([lens[r] for r in rows], device=device)
                 bias = torch.zeros(len(rows), 1, padded, device=device)
                 past = torch.arange(padded, device=device)[None, None, :] >= row_lens[:, None, None]

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from kvpage.attention.kv_quant import dequantize, quantize
 from kvpage.attention.layer_kv import LayerKV
 from kvpage.attention.metadata import AttentionMetadata
+from kvpage.core.block import cdiv
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv: LayerKV, slots: torch.Tensor) -> None:
@@ -36,7 +37,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv: LayerKV, slots: torch.Tensor)
     blocks, offsets = slots // block_size, slots % block_size
     if kv.quantized:
         for x, values, scales in ((k, kv.k, kv.k_scale), (v, kv.v, kv.v_scale)):
-            q, s = quantize(x, kv.kind)
+            q, s = quantize(x, kv.kv_dtype)
             values[blocks, :, offsets] = q
             scales[blocks, :, offsets] = s
         return
@@ -49,7 +50,7 @@ def gather_kv(
 ) -> torch.Tensor:
     """The first `length` keys (or values) of one sequence, head-major: [kv_heads, length, head_dim];
     with `scales`, dequantized to `dtype`."""
-    num_blocks = -(-length // cache.shape[2])
+    num_blocks = cdiv(length, cache.shape[2])
     table = block_table[:num_blocks]
     out = cache[table].transpose(0, 1).flatten(1, 2)[:, :length]  # [kv_heads, length, d]
     if scales is None:
@@ -59,6 +60,7 @@ def gather_kv(
 
 class TorchReferenceBackend:
     name = "torch"
+    fuses_decode = False  # the runner may run a pure decode step in one compiled call (worker/fused_decode.py)
 
     def __init__(self) -> None:
         # Gathered decode keys/values land in buffers reused by every layer, head and step:
@@ -66,9 +68,9 @@ class TorchReferenceBackend:
         self._workspace: dict[str, torch.Tensor] = {}
 
     @staticmethod
-    def allocate_kv(num_blocks, num_kv_heads, block_size, head_dim, dtype, kind, device, pin=False) -> LayerKV:
+    def allocate_kv(num_blocks, num_kv_heads, block_size, head_dim, dtype, kv_dtype, device, pin=False) -> LayerKV:
         """The reference layout: [num_blocks, num_kv_heads, block_size, head_dim] (the CPU kernels read it too)."""
-        return LayerKV.allocate((num_blocks, num_kv_heads, block_size, head_dim), dtype, kind, device, pin)
+        return LayerKV.allocate((num_blocks, num_kv_heads, block_size, head_dim), dtype, kv_dtype, device, pin)
 
     def forward(self, q, k, v, kv: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.write(k, v, kv, meta.slot_mapping)
@@ -128,7 +130,7 @@ class TorchReferenceBackend:
         scores = torch.bmm(qh, keys.transpose(1, 2)).float().mul_(scale).view(kv_heads, group, m, n)
         visible = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - m, n, device=q.device)[:, None]
         probs = scores.masked_fill_(~visible, float("-inf")).softmax(-1)
-        nb = -(-n // bs)
+        nb = cdiv(n, bs)
         per_token = F.pad(probs.sum((0, 1, 2)), (0, nb * bs - n))
         meta.block_mass[i, :nb] += per_token.view(nb, bs).sum(-1)  # type: ignore[index]
         o = torch.bmm(probs.view(kv_heads, group * m, n).to(q.dtype), values)
@@ -147,7 +149,7 @@ class TorchReferenceBackend:
     def _decode_group(self, q, rows, max_len, bias, kv: LayerKV, meta: AttentionMetadata, scale: float):
         n, bs = rows.numel(), meta.block_size
         kv_heads, d = kv.k.shape[1], kv.k.shape[3]
-        nb = -(-max_len // bs)
+        nb = cdiv(max_len, bs)
         blocks = meta.block_tables[rows, :nb].reshape(-1)
         group = q.shape[1] // kv_heads
         qg = q.view(n, kv_heads, group, d)

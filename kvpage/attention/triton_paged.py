@@ -23,6 +23,7 @@ import torch
 from kvpage.attention.layer_kv import LayerKV
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.attention.torch_ref import TorchReferenceBackend
+from kvpage.core.block import cdiv
 
 BLOCK_N = 32  # keys per loop step
 BLOCK_M = 16  # prefill queries per program
@@ -92,7 +93,7 @@ class TritonPagedBackend(TorchReferenceBackend):
         group = heads // num_kv_heads
         longest = max(meta.seq_lens_list[:n])
         splits = self.splits or self._choose_splits(n * num_kv_heads, longest)
-        split_len = -(-longest // splits)
+        split_len = cdiv(longest, splits)
         dp = _pow2(d)
         if splits > 1:
             acc = torch.empty(n, heads, splits, dp, dtype=torch.float32, device=q.device)
@@ -121,7 +122,7 @@ class TritonPagedBackend(TorchReferenceBackend):
         heads = q.shape[1]
         starts = meta.query_start_loc
         longest = max(starts[i + 1] - starts[i] for i in range(first, meta.num_seqs))
-        self._k.prefill[(count, heads, -(-longest // BLOCK_M))](
+        self._k.prefill[(count, heads, cdiv(longest, BLOCK_M))](
             q, k, v, kv.k, kv.v, *_scales(kv), meta.block_tables, meta.seq_lens, meta.query_start_tensor, out,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), meta.block_tables.stride(0), scale, first,
@@ -134,7 +135,7 @@ class TritonPagedBackend(TorchReferenceBackend):
         """Enough splits along the context that few long sequences still fill the device."""
         if programs >= MIN_PROGRAMS or longest <= SPLIT_TARGET:
             return 1
-        return min(-(-longest // SPLIT_TARGET), -(-MIN_PROGRAMS // programs), 64)
+        return min(cdiv(longest, SPLIT_TARGET), cdiv(MIN_PROGRAMS, programs), 64)
 
 
 def _scales(kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,4 +145,4 @@ def _scales(kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _covered(kv: LayerKV) -> bool:
     """The kernels read caches in the model's dtype and int8 ones; fp8 takes the reference path."""
-    return kv.kind != "fp8"
+    return kv.kv_dtype != "fp8"

@@ -24,6 +24,7 @@ import torch
 
 from kvpage.attention import AttentionMetadata
 from kvpage.attention.layer_kv import LayerKV
+from kvpage.core.block import cdiv
 from kvpage.models.llama import LlamaForCausalLM
 from kvpage.sampling_params import SamplingParams
 from kvpage.worker.sampler import SamplingRow, sample, seeded_generator
@@ -118,7 +119,7 @@ class StaticCacheGenerator(_Generator):
                  block_size: int = 16) -> None:  # fmt: skip
         super().__init__(model, eos_token_ids)
         self.max_batch, self.block_size = max_batch, block_size
-        self.blocks_per_slot = -(-max_len // block_size)
+        self.blocks_per_slot = cdiv(max_len, block_size)
         self.max_len = self.blocks_per_slot * block_size
         self.kv = self._allocate(max_batch * self.blocks_per_slot, block_size)
         self.used_tokens = 0  # slots holding KV at the last step of the last generate()

@@ -8,6 +8,7 @@
     swap              the CPU pool preempted sequences move to
     eviction/         policies (StreamingLLM, H2O, none) and per-sequence windows
     admission         all block arithmetic: admit, grow, swap in, the watermark
+    block_advisor     the block size for a length distribution (`kvpage blocks`, block_size="auto")
     invariants        InvariantError and the checks' composition
     kv_cache_manager  the facade the scheduler talks to
     preemption        swap or recompute, and the counts

@@ -8,7 +8,8 @@ a recompute) shares the lead's leading full blocks as far as their tokens agree:
     sib 1  [h0][h1][l2][s3][s4.]   shares 3 blocks with the lead, owns 2
     sib 2  [h0][h1][t2.]           shares 2, owns 1
 
-`Admission` counts the new blocks of all of them together (`plan`); `growth_blocks` counts what
+`plan` counts the new blocks of all of them together (one sequence alone too: the manager's
+`allocate_slots` starts a sequence by the same rule); `growth_blocks` counts what
 running sequences take to grow (copy-on-write included); `fits` is the one watermark rule: a
 newcomer (admitted, or swapped back in) leaves `watermark_blocks` free for running sequences to grow
 into whenever anything runs. The scheduler asks; it never recounts.
@@ -60,30 +61,29 @@ class BlockBudget:
     def available(self, *, keep_watermark: bool, freed: int = 0) -> int:
         return self.pool.num_free - freed - (self.watermark_blocks if keep_watermark else 0)
 
-    def plan(self, token_lists: Sequence[Sequence[int]], prefix: CachedPrefix, hits: list[Block],
+    def plan(self, lengths: Sequence[int], shared: Sequence[int], prefix: CachedPrefix, hits: list[Block],
              *, keep_watermark: bool) -> Admission:  # fmt: skip
-        """Could a request whose live sequences hold `token_lists` (lead first), the lead hitting
-        `prefix`, get all their slots now, later, or never? NEVER: not even in an empty pool."""
-        bs, lead = self.block_size, token_lists[0]
-        shared = [0] + [min(common_prefix(lead, t), len(t) - 1) // bs for t in token_lists[1:]]
-        total = cdiv(len(lead), bs) + sum(cdiv(len(t), bs) - m for t, m in zip(token_lists[1:], shared[1:]))
+        """Could sequences of these token counts (lead first; `shared[i]`: leading blocks sequence i
+        shares with the lead, 0 for the lead), the lead hitting `prefix`, get all their slots now,
+        later, or never? NEVER: not even in an empty pool."""
+        bs = self.block_size
+        total = cdiv(lengths[0], bs) + sum(cdiv(n, bs) - m for n, m in zip(lengths[1:], shared[1:]))
         needed = total - len(hits)  # a hit on the CPU tier takes a new block too
         available = self.available(keep_watermark=keep_watermark, freed=sum(b.ref_count == 0 for b in hits))
         if total > self.pool.num_total:
-            seqs = f"its {len(token_lists)} sequences need" if len(token_lists) > 1 else "it needs"
+            seqs = f"its {len(lengths)} sequences need" if len(lengths) > 1 else "it needs"
             reason = (
-                f"{seqs} {total} blocks of {bs} tokens for {sum(map(len, token_lists))} tokens, "
+                f"{seqs} {total} blocks of {bs} tokens for {sum(lengths)} tokens, "
                 f"but the whole cache holds {self.pool.num_total} blocks"
             )
-            return Admission(AdmissionStatus.NEVER, needed, available, reason, prefix, shared)
+            return Admission(AdmissionStatus.NEVER, needed, available, reason, prefix, list(shared))
         status = AdmissionStatus.NOW if needed <= available else AdmissionStatus.LATER
-        return Admission(status, needed, available, None, prefix, shared)
+        return Admission(status, needed, available, None, prefix, list(shared))
 
-    def start_blocks(self, prefix: CachedPrefix | None, num_new_tokens: int, hits: list[Block]) -> int:
-        """Blocks a new sequence takes for `prefix` plus `num_new_tokens` (a tier hit takes a new
-        block, a cached free hit comes off the free queue): what one sequence of `plan` counts."""
-        covered = prefix.num_tokens if prefix is not None else 0
-        return cdiv(covered + num_new_tokens, self.block_size) - len(hits) + sum(b.ref_count == 0 for b in hits)
+    def shared_with_lead(self, token_lists: Sequence[Sequence[int]]) -> list[int]:
+        """Per sequence: the lead's leading full blocks it shares (never its own last token's)."""
+        lead = token_lists[0]
+        return [0] + [min(common_prefix(lead, t), len(t) - 1) // self.block_size for t in token_lists[1:]]
 
     def growth_blocks(self, growth: Sequence[tuple[BlockTable, int]]) -> int:
         """Blocks that appending n tokens to each table, in this order, takes. Exact for tables

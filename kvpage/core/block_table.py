@@ -9,17 +9,26 @@ holes. The table also remembers the chain digests of its leading full blocks (as
 hashed) and how many of them were offered to the prefix cache; `on_cpu` says which pool its block
 ids index (the GPU pool, or the CPU swap pool after a swap-out).
 
-The table is plain data and arithmetic; the pools' reference counts are the manager's components'.
+`grow` appends slots (copy-on-write included); `check_tables` checks tables against their pools.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from kvpage.core.block import cdiv
+from kvpage.core.block_pool import BlockPool
+from kvpage.core.invariants import check
+from kvpage.core.prefix_cache import extra_keys_for, hash_block
 
 HOLE = None  # a block-table entry whose block an eviction policy released
+
+
+@dataclass(slots=True)
+class SlotAllocation:
+    new_block_ids: list[int]  # blocks appended to the block table, in order
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy KV before writing
 
 
 @dataclass(slots=True)
@@ -87,6 +96,29 @@ class BlockTable:
         self.num_registered = 0  # fresh GPU blocks get registered again
 
 
+def grow(table: BlockTable, pool: BlockPool, num_new_tokens: int) -> SlotAllocation:
+    """Slots for `num_new_tokens` more tokens at the table's end, from `pool` (the caller checked
+    there is room: admission.py). Appending into a shared, partly filled last block first copies it
+    (copy-on-write): the returned copies are the worker's."""
+    bs = pool.block_size
+    alloc = SlotAllocation(new_block_ids=[])
+    last = table.appends_into_last(bs, num_new_tokens)
+    if last is not None and pool.blocks[last].ref_count > 1:
+        old = pool.blocks[last]
+        (new,) = pool.allocate(1)  # type: ignore[misc]
+        pool.add_tokens(new, old.num_tokens)
+        pool.decref(old)
+        table.block_ids[-1] = new.block_id
+        alloc.copies.append((old.block_id, new.block_id))
+    fresh = pool.allocate(table.new_blocks_for(bs, num_new_tokens)) or []
+    alloc.new_block_ids = [b.block_id for b in fresh]
+    table.block_ids.extend(alloc.new_block_ids)
+    for i, n in table.token_runs(bs, num_new_tokens):
+        pool.add_tokens(pool.blocks[table.block_ids[i]], n)  # type: ignore[index]
+    table.num_tokens += num_new_tokens
+    return alloc
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens two token lists share."""
     n = min(len(a), len(b))
@@ -94,3 +126,44 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def check_tables(tables: dict[Hashable, BlockTable], gpu: BlockPool, cpu: BlockPool, block_size: int,
+                 token_ids: dict[Hashable, Sequence[int]] | None = None) -> None:  # fmt: skip
+    """Each table against its pool's blocks: lengths, fills, digests (recomputed from the request's
+    tokens when `token_ids` gives them) and what the registered blocks claim to hold."""
+    bs = block_size
+    for seq_id, table in tables.items():
+        n = table.num_tokens
+        pool = cpu if table.on_cpu else gpu
+        check(len(table.block_ids) == cdiv(n, bs), lambda: f"{seq_id}: table length for {n} tokens")
+        check(len(table.block_hashes) <= n // bs, lambda: f"{seq_id}: a digest for a block that is not full")
+        check(table.num_registered <= len(table.block_hashes), lambda: f"{seq_id}: registered beyond its digests")
+        chain = list(table.block_hashes)  # what each full block's digest must be, as far as known
+        tokens = token_ids.get(seq_id) if token_ids is not None else None
+        if tokens is not None:  # the chain digests must be those of the request's tokens
+            check(len(tokens) >= n, lambda: f"{seq_id}: {n} slots but {len(tokens)} tokens")
+            chain = []
+            for i in range(n // bs):
+                chunk = tokens[i * bs : (i + 1) * bs]
+                chain.append(hash_block(chain[-1] if chain else None, chunk, extra_keys_for(i, table.cache_salt)))
+            check(
+                table.block_hashes == chain[: len(table.block_hashes)],
+                lambda: f"{seq_id}: chain digests of other tokens",
+            )
+        for i, b in enumerate(table.block_ids):
+            if b is None:
+                continue
+            block = pool.blocks[b]
+            check(block.num_tokens == min(bs, n - i * bs), lambda: f"{seq_id}: fill of block {b}")
+            key = block.cache_key
+            if key is not None and i < len(chain):  # (a sibling may not have hashed a shared block yet)
+                check(
+                    key.digest == chain[i],
+                    lambda: f"{seq_id}: block {b} is registered under content other than its tokens",
+                )
+                check(
+                    key.parent == (chain[i - 1] if i else None),
+                    lambda: f"{seq_id}: block {b} registered under another chain",
+                )
+            check(key is None or i < n // bs, lambda: f"{seq_id}: block {b} is registered but not full")

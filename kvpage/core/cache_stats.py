@@ -62,3 +62,35 @@ class CacheStats:
         d["shared_of_total"] = self.shared_of_total
         d["total_bytes"], d["used_bytes"] = self.total_bytes, self.used_bytes
         return d
+
+
+def collect_stats(pool, cpu_pool, prefix_cache, tier, bytes_per_block: int, *, logical_blocks: int, num_seqs: int,
+                  num_swapped_seqs: int, evicted_tokens: int) -> CacheStats:  # fmt: skip
+    """The snapshot, from the components' O(1) counters (the block pools, the prefix cache's
+    query / hit counts, the CPU tier) and the manager's per-table sums."""
+    used = pool.num_used
+    allocated = used * pool.block_size
+    return CacheStats(
+        block_size=pool.block_size,
+        total_blocks=pool.num_total,
+        used_blocks=used,
+        free_blocks=pool.num_free,
+        cached_blocks=pool.num_cached_free,
+        shared_blocks=pool.num_shared,
+        logical_blocks=logical_blocks,
+        stored_tokens=pool.num_used_tokens,
+        allocated_slots=allocated,
+        waste=(allocated - pool.num_used_tokens) / allocated if allocated else 0.0,
+        prefix_query_tokens=prefix_cache.num_query_tokens if prefix_cache else 0,
+        prefix_hit_tokens=prefix_cache.num_hit_tokens if prefix_cache else 0,
+        shared_of_used=pool.num_shared / used if used else 0.0,
+        num_seqs=num_seqs,
+        num_swapped_seqs=num_swapped_seqs,
+        cpu_total_blocks=cpu_pool.num_total,
+        cpu_used_blocks=cpu_pool.num_used,
+        bytes_per_block=bytes_per_block,
+        tier_total_blocks=tier.pool.num_total if tier else 0,
+        tier_cached_blocks=tier.num_cached if tier else 0,
+        tier_hit_tokens=tier.num_hit_tokens if tier else 0,
+        evicted_tokens=evicted_tokens,
+    )

@@ -15,6 +15,9 @@ ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8": 1}
 SCALE_BYTES = {"int8": 4, "fp8": 4}  # one float32 scale per token and kv head, for K and for V
 QUANTIZED_KV_DTYPES = ("int8", "fp8")
 KV_CACHE_DTYPES = ("auto", *QUANTIZED_KV_DTYPES)  # "auto": the model's dtype
+# the names a model's dtype may be given by, each to its canonical name (models/loader.py: the torch dtype)
+MODEL_DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
+                     "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}  # fmt: skip
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, kv_dtype: str) -> int:

@@ -30,29 +30,21 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvpage.core.admission import Admission, AdmissionStatus, BlockBudget
-from kvpage.core.block import cdiv
 from kvpage.core.block_pool import BlockPool
-from kvpage.core.block_table import BlockTable
-from kvpage.core.cache_stats import CacheStats
-from kvpage.core.cpu_tier import CpuTier
+from kvpage.core.block_table import BlockTable, SlotAllocation, check_tables, grow
+from kvpage.core.cache_stats import CacheStats, collect_stats
 from kvpage.core.eviction import NO_EVICTION, EvictionPolicy, EvictionWindows
-from kvpage.core.invariants import InvariantError, check, check_all
-from kvpage.core.prefix_cache import PrefixCache, extra_keys_for, hash_block
+from kvpage.core.invariants import InvariantError, check_all
+from kvpage.core.prefix_cache import PrefixCache
 from kvpage.core.prefix_registry import CachedPrefix, PrefixRegistry
 from kvpage.core.swap import SwapSpace
 
 SeqId = Hashable  # opaque to the manager: the scheduler uses SeqKey(request_id, index)
 
 __all__ = ["CachedPrefix", "InvariantError", "KVCacheManager", "SlotAllocation", "StepBlocks"]
-
-
-@dataclass(slots=True)
-class SlotAllocation:
-    new_block_ids: list[int]  # blocks appended to the block table, in order
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy KV before writing
 
 
 @dataclass(slots=True)
@@ -81,33 +73,17 @@ class KVCacheManager:
         self.bytes_per_block = bytes_per_block
         self.pool = BlockPool(num_blocks, block_size, PrefixCache() if enable_prefix_caching else None)
         self.budget = BlockBudget(self.pool, block_size, watermark)
-        tier = CpuTier(num_tier_blocks, block_size) if enable_prefix_caching and num_tier_blocks else None
-        self.prefix = PrefixRegistry(self.pool, block_size, tier)
-        self.swap = SwapSpace(num_cpu_blocks, block_size)
+        self.prefix = PrefixRegistry(self.pool, block_size, num_tier_blocks)
+        self.swap = SwapSpace(num_cpu_blocks, self.pool)
         self.eviction = EvictionWindows(self.pool, block_size)
         self._tables: dict[SeqId, BlockTable] = {}
+        # read-only views of what the components own
+        self.prefix_cache, self.enable_prefix_caching = self.pool.prefix_cache, self.prefix.enabled
+        self.cpu_pool, self.has_swap_space = self.swap.pool, self.swap.enabled
+        self.tier = self.prefix.tier_pool  # the CPU tier's own pool, or None
+        self.watermark_blocks = self.budget.watermark_blocks
 
     # ------------------------------------------------------------------ views (tests, tools, stats)
-    @property
-    def prefix_cache(self) -> PrefixCache | None:
-        return self.prefix.cache
-
-    @property
-    def enable_prefix_caching(self) -> bool:
-        return self.prefix.enabled
-
-    @property
-    def cpu_pool(self) -> BlockPool:
-        return self.swap.pool
-
-    @property
-    def tier(self) -> BlockPool | None:
-        return self.prefix.tier.pool if self.prefix.tier is not None else None
-
-    @property
-    def watermark_blocks(self) -> int:
-        return self.budget.watermark_blocks
-
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free
@@ -115,10 +91,6 @@ class KVCacheManager:
     @property
     def num_total_blocks(self) -> int:
         return self.pool.num_total
-
-    @property
-    def has_swap_space(self) -> bool:
-        return self.swap.enabled
 
     # ------------------------------------------------------------------ queries
     def has_sequence(self, seq_id: SeqId) -> bool:
@@ -173,7 +145,7 @@ class KVCacheManager:
 
     def take_tier_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The step's (pool, tier) offload copies and (tier, pool) restore copies, in that order."""
-        return self.prefix.tier.take_transfers() if self.prefix.tier is not None else ([], [])
+        return self.prefix.take_transfers()
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (and the CPU tier): later prompts start cold. Only when no sequence
@@ -198,7 +170,8 @@ class KVCacheManager:
         lead = token_lists[0]
         prefix = self.prefix.find(lead, cache_salt) if use_prefix_cache else CachedPrefix([], [], 0, 0, cache_salt)
         hits = self.prefix.hit_blocks(prefix)
-        return self.budget.plan(token_lists, prefix, hits, keep_watermark=keep_watermark)
+        shared = self.budget.shared_with_lead(token_lists)
+        return self.budget.plan([len(t) for t in token_lists], shared, prefix, hits, keep_watermark=keep_watermark)
 
     def admit(
         self,
@@ -289,18 +262,19 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         table = self._tables.get(seq_id)
-        if table is None:
-            need = self.budget.start_blocks(prefix, num_new_tokens, self.prefix.hit_blocks(prefix))
-        elif prefix is not None:
+        if table is None:  # admission's rule for one sequence of the prefix and the new tokens
+            covered = prefix.num_tokens if prefix is not None else 0
+            hits = self.prefix.hit_blocks(prefix)
+            plan = self.budget.plan([covered + num_new_tokens], [0], prefix, hits, keep_watermark=False)  # type: ignore[arg-type]
+            if plan.status is not AdmissionStatus.NOW:
+                return None
+            return self._grow(self._start(seq_id, prefix, policy), num_new_tokens)
+        if prefix is not None:
             raise ValueError(f"sequence {seq_id!r} exists already; a prefix only starts one")
-        elif table.on_cpu:
+        if table.on_cpu:
             raise RuntimeError(f"sequence {seq_id!r} is swapped out; swap it in first")
-        else:
-            need = self.budget.growth_blocks([(table, num_new_tokens)])
-        if not self.budget.fits(need, keep_watermark=False):
+        if not self.budget.fits(self.budget.growth_blocks([(table, num_new_tokens)]), keep_watermark=False):
             return None
-        if table is None:  # committed from here on: nothing below can fail
-            table = self._start(seq_id, prefix, policy)
         return self._grow(table, num_new_tokens)
 
     def evict(self, seq_id: SeqId, num_computed: int, mass: Sequence[float] | None = None) -> int:
@@ -320,24 +294,7 @@ class KVCacheManager:
         return table
 
     def _grow(self, table: BlockTable, num_new_tokens: int) -> SlotAllocation:
-        """Slots for `num_new_tokens` more tokens (the caller checked there is room)."""
-        pool, bs = self.pool, self.block_size
-        alloc = SlotAllocation(new_block_ids=[])
-        last = table.appends_into_last(bs, num_new_tokens)
-        if last is not None and pool.blocks[last].ref_count > 1:  # copy-on-write
-            old = pool.blocks[last]
-            (new,) = pool.allocate(1)  # type: ignore[misc]
-            pool.add_tokens(new, old.num_tokens)
-            pool.decref(old)
-            table.block_ids[-1] = new.block_id
-            alloc.copies.append((old.block_id, new.block_id))
-        fresh = pool.allocate(table.new_blocks_for(bs, num_new_tokens)) or []
-        alloc.new_block_ids = [b.block_id for b in fresh]
-        table.block_ids.extend(alloc.new_block_ids)
-        for i, n in table.token_runs(bs, num_new_tokens):
-            pool.add_tokens(pool.blocks[table.block_ids[i]], n)  # type: ignore[index]
-        table.num_tokens += num_new_tokens
-        return alloc
+        return grow(table, self.pool, num_new_tokens)
 
     # ------------------------------------------------------------------ lifetime
     def fork(self, parent_id: SeqId, child_id: SeqId, num_blocks: int | None = None) -> None:
@@ -385,50 +342,22 @@ class KVCacheManager:
         return self._move(seq_ids, to_cpu=False)
 
     def _move(self, seq_ids: Sequence[SeqId], *, to_cpu: bool) -> list[tuple[int, int]] | None:
-        src, dst = (self.pool, self.swap.pool) if to_cpu else (self.swap.pool, self.pool)
         ids = list(dict.fromkeys(seq_ids))
         tables = [self._table(s) for s in ids]
         for s, table in zip(ids, tables):
             if table.on_cpu == to_cpu:
                 raise RuntimeError(f"sequence {s!r} is already {'swapped out' if to_cpu else 'resident'}")
-        fresh = self.swap.reserve(tables, dst)
-        if fresh is None:
-            return None
-        if to_cpu:
-            for s in ids:
-                self.eviction.drop_copies(s)
-        return self.swap.move(tables, src, dst, fresh, to_cpu=to_cpu)
+        if not to_cpu:
+            return self.swap.swap_in(tables)
+        return self.swap.swap_out(tables, lambda: [self.eviction.drop_copies(s) for s in ids])
 
     # ------------------------------------------------------------------ statistics and checks
     def stats(self) -> CacheStats:
-        pool, pc, tier = self.pool, self.prefix.cache, self.prefix.tier
-        used = pool.num_used
-        allocated = used * self.block_size
-        on_gpu = [t for t in self._tables.values() if not t.on_cpu]
-        return CacheStats(
-            block_size=self.block_size,
-            total_blocks=pool.num_total,
-            used_blocks=used,
-            free_blocks=pool.num_free,
-            cached_blocks=pool.num_cached_free,
-            shared_blocks=pool.num_shared,
-            logical_blocks=sum(len(t.block_ids) - t.num_holes for t in on_gpu),
-            stored_tokens=pool.num_used_tokens,
-            allocated_slots=allocated,
-            waste=(allocated - pool.num_used_tokens) / allocated if allocated else 0.0,
-            prefix_query_tokens=pc.num_query_tokens if pc else 0,
-            prefix_hit_tokens=pc.num_hit_tokens if pc else 0,
-            shared_of_used=pool.num_shared / used if used else 0.0,
-            num_seqs=len(on_gpu),
-            num_swapped_seqs=len(self._tables) - len(on_gpu),
-            cpu_total_blocks=self.swap.pool.num_total,
-            cpu_used_blocks=self.swap.pool.num_used,
-            bytes_per_block=self.bytes_per_block,
-            tier_total_blocks=tier.pool.num_total if tier else 0,
-            tier_cached_blocks=tier.num_cached if tier else 0,
-            tier_hit_tokens=tier.num_hit_tokens if tier else 0,
-            evicted_tokens=self.eviction.num_evicted_tokens,
-        )
+        on_gpu = sum(not t.on_cpu for t in self._tables.values())
+        logical = sum(len(t.block_ids) - t.num_holes for t in self._tables.values() if not t.on_cpu)
+        return collect_stats(self.pool, self.swap.pool, self.prefix.cache, self.prefix.tier, self.bytes_per_block,
+                             logical_blocks=logical, num_seqs=on_gpu, num_swapped_seqs=len(self._tables) - on_gpu,
+                             evicted_tokens=self.eviction.num_evicted_tokens)  # fmt: skip
 
     def check_invariants(self, token_ids: dict[SeqId, Sequence[int]] | None = None) -> None:
         """Recompute every component's bookkeeping from scratch and compare; raise InvariantError.
@@ -444,39 +373,8 @@ class KVCacheManager:
             self.swap.check_invariants,
             self.prefix.check_invariants,
             lambda: self.eviction.check_invariants(tables),
-            lambda: self._check_tables(token_ids),
+            lambda: check_tables(self._tables, self.pool, self.swap.pool, self.block_size, token_ids),
         ])  # fmt: skip
-
-    def _check_tables(self, token_ids: dict[SeqId, Sequence[int]] | None) -> None:
-        bs = self.block_size
-        for seq_id, table in self._tables.items():
-            n = table.num_tokens
-            pool = self.swap.pool if table.on_cpu else self.pool
-            check(len(table.block_ids) == cdiv(n, bs), lambda: f"{seq_id}: table length for {n} tokens")
-            check(len(table.block_hashes) <= n // bs, lambda: f"{seq_id}: a digest for a block that is not full")
-            check(table.num_registered <= len(table.block_hashes), lambda: f"{seq_id}: registered beyond its digests")
-            chain = list(table.block_hashes)  # what each full block's digest must be, as far as known
-            tokens = token_ids.get(seq_id) if token_ids is not None else None
-            if tokens is not None:  # the chain digests must be those of the request's tokens
-                check(len(tokens) >= n, lambda: f"{seq_id}: {n} slots but {len(tokens)} tokens")
-                chain = []
-                for i in range(n // bs):
-                    chunk = tokens[i * bs : (i + 1) * bs]
-                    chain.append(hash_block(chain[-1] if chain else None, chunk, extra_keys_for(i, table.cache_salt)))
-                check(table.block_hashes == chain[: len(table.block_hashes)],
-                      lambda: f"{seq_id}: chain digests of other tokens")  # fmt: skip
-            for i, b in enumerate(table.block_ids):
-                if b is None:
-                    continue
-                block = pool.blocks[b]
-                check(block.num_tokens == min(bs, n - i * bs), lambda: f"{seq_id}: fill of block {b}")
-                key = block.cache_key
-                if key is not None and i < len(chain):  # (a sibling may not have hashed a shared block yet)
-                    check(key.digest == chain[i],
-                          lambda: f"{seq_id}: block {b} is registered under content other than its tokens")  # fmt: skip
-                    check(key.parent == (chain[i - 1] if i else None),
-                          lambda: f"{seq_id}: block {b} registered under another chain")  # fmt: skip
-                check(key is None or i < n // bs, lambda: f"{seq_id}: block {b} is registered but not full")
 
     # ------------------------------------------------------------------ helpers
     def _table(self, seq_id: SeqId) -> BlockTable:

@@ -37,11 +37,11 @@ class CachedPrefix:
 
 
 class PrefixRegistry:
-    def __init__(self, pool: BlockPool, block_size: int, tier: CpuTier | None = None) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, num_tier_blocks: int = 0) -> None:
         self.pool = pool
         self.cache: PrefixCache | None = pool.prefix_cache  # None: prefix caching is off
         self.block_size = block_size
-        self.tier = tier if self.cache is not None else None
+        self.tier = CpuTier(num_tier_blocks, block_size) if self.cache is not None and num_tier_blocks else None
         self._uncommitted: list[Block] = []  # registered by the step being run
         if self.tier is not None:
             pool.on_evict = self._offload
@@ -49,6 +49,14 @@ class PrefixRegistry:
     @property
     def enabled(self) -> bool:
         return self.cache is not None
+
+    @property
+    def tier_pool(self) -> BlockPool | None:
+        return self.tier.pool if self.tier is not None else None
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The step's CPU-tier copies: (GPU, tier) offloads and (tier, GPU) restores, in that order."""
+        return self.tier.take_transfers() if self.tier is not None else ([], [])
 
     # ------------------------------------------------------------------ lookups
     def find(self, token_ids: Sequence[int], cache_salt: str | None = None) -> CachedPrefix:

@@ -72,6 +72,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     error: str | None = None  # why it failed alone (e.g. it can never fit in the cache)
+    rejected: bool = False  # it failed because it can never run here (the request's fault, not a step's)
     eviction: EvictionPolicy = NO_EVICTION  # StreamingLLM / H2O: blocks released as it grows (core/eviction/)
 
     @property

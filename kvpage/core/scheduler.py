@@ -14,7 +14,7 @@ covers a decode (1 token), a prompt chunk (chunked prefill) and a recompute afte
        the waiting queue). A request of independent parallel samples gives up one sample at a time
        (its last: "parked", swapped or freed) while more than one runs. A request that runs out of
        blocks with nothing else left to preempt can never go on: it fails alone.
-    2. swapped requests, oldest first, if nothing was preempted this step: swapped back in; then
+    2-3. (scheduler_intake.py) swapped requests, oldest first, if nothing was preempted this step: swapped back in; then
        parked samples, oldest request first: swapped back in, or admitted again (their prompt
        blocks are hits while a sibling holds them).
     3. waiting requests, first come first served, if nothing is swapped out or parked: admitted while the
@@ -25,11 +25,9 @@ covers a decode (1 token), a prompt chunk (chunked prefill) and a recompute afte
 Blocks a step will fill are registered in the prefix cache as it is scheduled, so a request
 admitted later in the same step shares them (the model writes each layer's K/V before attending).
 
-Requests with an eviction policy (StreamingLLM, H2O; core/eviction/) hold slots only for what
-they compute next, run prompt chunks of at most their window, hit the prefix cache only within
-their budget (what they would have computed themselves before evicting anything), and release
-blocks after each step (`KVCacheManager.evict`), so their memory stays bounded however long they
-grow; a StreamingLLM request may run past max_model_len.
+A request's eviction policy (core/eviction/) answers how long its prompt chunks may be, how many
+slots it holds before a step and how much of its prompt admission covers; the manager releases its
+blocks after each step, so its memory stays bounded however long it grows.
 
 `update_from_output` advances the computed counts, applies the engine's per-request decisions
 (forks, tokens, finished sequences; see step_update.py) and answers with what finished or failed.
@@ -41,16 +39,17 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 
-from kvpage.core.admission import AdmissionStatus
 from kvpage.core.kv_cache_manager import KVCacheManager
+from kvpage.core.limits import StepLimits, never_fits
 from kvpage.core.preemption import Preemption
 from kvpage.core.request import Request, RequestStatus, Sequence
+from kvpage.core.scheduler_intake import Intake
 from kvpage.core.scheduler_invariants import check_scheduler
 from kvpage.core.scheduler_output import ScheduledSequence, SchedulerOutput, SeqKey
 from kvpage.core.step_update import RequestUpdate, StepResult, apply_update
 
 
-class Scheduler:
+class Scheduler(Intake):
     def __init__(
         self,
         kv: KVCacheManager,
@@ -65,6 +64,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.limits = StepLimits(max_num_seqs, max_num_batched_tokens, max_model_len)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
@@ -93,24 +93,11 @@ class Scheduler:
         if not req.prompt_token_ids:
             raise ValueError("the prompt is empty")
         self.requests[req.request_id] = req
-        reason = self._unschedulable(req)
+        reason = self.limits.unschedulable(req)
         if reason is not None:
-            self._fail(req, f"request {req.request_id!r} can never be scheduled: {reason}")
+            self._fail(req, f"request {req.request_id!r} can never be scheduled: {reason}", rejected=True)
         else:
             self.waiting.append(req)
-
-    def _unschedulable(self, req: Request) -> str | None:
-        n = len(req.prompt_token_ids)
-        if n > self.max_model_len and not req.unbounded:
-            return f"the prompt has {n} tokens, more than max_model_len={self.max_model_len}"
-        if req.width > self.max_num_seqs:
-            return f"it runs {req.width} sequences at once, more than max_num_seqs={self.max_num_seqs}"
-        if req.width > self.max_num_batched_tokens:
-            return (
-                f"its {req.width} sequences decode together, more tokens than "
-                f"max_num_batched_tokens={self.max_num_batched_tokens}"
-            )
-        return None
 
     def abort_request(self, request_id: str) -> Request | None:
         """End a request now; its blocks go back to the pool. Unknown ids return None."""
@@ -156,7 +143,8 @@ class Scheduler:
                     if self.preemption.park(victim, out):  # one sample goes, its siblings run on
                         self._in_flight.add(victim.request_id)
                 elif victim is req and len(holders) == 1:  # nothing else holds blocks: it can never go on
-                    self._fail(req, self._never_fits(req, need))
+                    why = never_fits(req, need, self.kv.num_free_blocks, self.kv.num_total_blocks, self.kv.block_size)
+                    self._fail(req, why, rejected=True)
                     break
                 else:
                     self.running.remove(victim)
@@ -235,14 +223,6 @@ class Scheduler:
         self._in_flight.add(req.request_id)
         return n
 
-    def _never_fits(self, req: Request, need: int) -> str:
-        k = len(req.resident_sequences)
-        return (
-            f"request {req.request_id!r} can never fit: its {k} sequence{'s' * (k > 1)} need {need} more "
-            f"block{'s' * (need > 1)} to go on, but only {self.kv.num_free_blocks} are free with nothing else "
-            f"running (the cache holds {self.kv.num_total_blocks} blocks of {self.kv.block_size} tokens)"
-        )
-
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         if self.preemption.preempt(req, out):
             self._in_flight.add(req.request_id)
@@ -251,107 +231,6 @@ class Scheduler:
         else:
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
-
-    def _resume_parked(self, budget: int, out: SchedulerOutput) -> tuple[int, bool]:
-        """Parked samples back, oldest request first, while they fit beside everyone running
-        (swapped ones swapped in, freed ones admitted again: the blocks their siblings hold are hits).
-        Returns the budget left and whether every parked sample is back. A sample waits while a
-        sibling is still computing its prompt (it would recompute what the sibling is about to
-        register as hits)."""
-        all_back = True
-        for req in list(self.running):
-            for seq in [s for s in req.live_sequences if s.parked]:
-                if budget <= 0 or self.num_running_seqs() >= self.max_num_seqs:
-                    return budget, False
-                if any(s.num_uncomputed > 1 for s in req.resident_sequences):
-                    all_back = False
-                    break
-                keep = self.num_running_seqs() > 0
-                if self.kv.has_sequence(seq.key):  # swapped out
-                    if not self.kv.can_swap_in([seq.key], keep_watermark=keep):
-                        return budget, False
-                    pairs = self.kv.swap_in([seq.key])
-                    if pairs is None:
-                        return budget, False
-                    out.swap_in.extend(pairs)
-                else:
-                    cached = req.use_prefix_cache
-                    adm = self.kv.check_admission([seq.token_ids], req.cache_salt, use_prefix_cache=cached,
-                                                  keep_watermark=keep)  # fmt: skip
-                    if adm.status is AdmissionStatus.NEVER:
-                        if req.resident_sequences:  # (they may run in this step: fail it once they end)
-                            all_back = False
-                            break
-                        why = f"sample {seq.index}: {adm.reason}"
-                        self._fail(req, f"request {req.request_id!r} can never fit: {why}")
-                        break
-                    if adm.status is AdmissionStatus.LATER:
-                        return budget, False
-                    self.kv.admit([seq.key], [seq.token_ids], adm)
-                    seq.num_computed = adm.prefix.num_tokens if adm.prefix else 0
-                seq.parked = False
-                self._in_flight.add(req.request_id)
-                n = min(seq.num_uncomputed, budget)
-                if n > 0 and self._blocks_to_grow(req, [(seq, n)]) <= self.kv.num_free_blocks:
-                    budget -= self._schedule_seq(req, seq, n, out)
-        return budget, all_back
-
-    def _swap_in(self, budget: int, out: SchedulerOutput) -> int:
-        """Bring swapped requests back, oldest first, and run them in this step when their next tokens
-        need no block beyond what is free."""
-        while self.swapped:
-            req = self.swapped[0]
-            live = [s.key for s in req.resident_sequences]
-            if not self.kv.can_swap_in(live, keep_watermark=self.num_running_seqs() > 0):
-                return budget
-            if not self._seats_for(req, len(live)):
-                return budget
-            pairs = self.kv.swap_in(live)
-            if pairs is None:
-                return budget
-            out.swap_in.extend(pairs)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self.swapped.popleft()
-            self._in_flight.add(req.request_id)
-            plan = self._plan(req, budget)
-            if plan and self._blocks_to_grow(req, plan) <= self.kv.num_free_blocks:
-                for seq, n in plan:
-                    budget -= self._schedule_seq(req, seq, n, out)
-        return budget
-
-    def _admit(self, budget: int, out: SchedulerOutput) -> None:
-        bs = self.kv.block_size
-        while self.waiting and budget > 0:
-            req = self.waiting[0]
-            seqs = req.resident_sequences
-            if not self._seats_for(req, len(seqs)):
-                return
-            tokens = [s.token_ids for s in seqs]
-            cap = req.eviction.admission_cap(bs)  # an evicting policy: slots (and hits) within its budget
-            if cap is not None:
-                tokens = [t[:cap] for t in tokens]
-            adm = self.kv.check_admission(
-                tokens, req.cache_salt, use_prefix_cache=req.use_prefix_cache, keep_watermark=bool(self.running)
-            )
-            if adm.status is AdmissionStatus.NEVER:
-                self._fail(req, f"request {req.request_id!r} can never fit: {adm.reason}")
-                continue
-            if adm.status is AdmissionStatus.LATER:
-                return  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
-            self.kv.admit([s.key for s in seqs], tokens, adm, req.eviction)
-            lead = seqs[0]
-            lead.num_computed = adm.prefix.num_tokens if adm.prefix else 0
-            for s, m in zip(seqs[1:], adm.shared_blocks[1:], strict=True):
-                s.num_computed = m * bs
-                s.depends_on = (lead.index, m * bs) if m * bs > lead.num_computed else None
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            for seq, n in self._plan(req, budget):
-                n = min(n, self.kv.num_tokens(seq.key) - seq.num_computed)  # admitted within its cap
-                if n > 0:
-                    budget -= self._schedule_seq(req, seq, n, out)
 
     # ------------------------------------------------------------------ after the worker ran
     def update_from_output(
@@ -407,8 +286,10 @@ class Scheduler:
         return result
 
     # ------------------------------------------------------------------ endings
-    def _fail(self, req: Request, reason: str) -> None:
-        req.error = reason
+    def _fail(self, req: Request, reason: str, *, rejected: bool = False) -> None:
+        """Fail `req` alone; `rejected`: the request itself can never run (a client's error), not a
+        step that went wrong."""
+        req.error, req.rejected = reason, rejected
         for seq in req.live_sequences:
             seq.finish_reason = "abort"
         self._retire(req)

@@ -9,7 +9,7 @@ before the step. GPU blocks released by a swap-out that are registered stay pref
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvpage.core.block import Block
 from kvpage.core.block_pool import BlockPool
@@ -18,8 +18,9 @@ from kvpage.core.invariants import check
 
 
 class SwapSpace:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.pool = BlockPool(num_blocks, block_size)  # never registered: swapped blocks are no hits
+    def __init__(self, num_blocks: int, gpu: BlockPool) -> None:
+        self.gpu = gpu
+        self.pool = BlockPool(num_blocks, gpu.block_size)  # never registered: swapped blocks are no hits
 
     @property
     def enabled(self) -> bool:
@@ -29,13 +30,27 @@ class SwapSpace:
     def blocks_to_move(tables: Sequence[BlockTable]) -> int:
         return len({b for t in tables for b in t.resident})
 
-    def reserve(self, tables: Sequence[BlockTable], dst: BlockPool) -> list[Block] | None:
-        """Blocks of `dst` for a move of `tables`, or None (nothing changes) when `dst` lacks room."""
-        return dst.allocate(self.blocks_to_move(tables))
+    def swap_out(
+        self, tables: Sequence[BlockTable], before_release: Callable[[], object]
+    ) -> list[tuple[int, int]] | None:
+        """GPU -> CPU, or None (nothing changes) when the CPU pool lacks room. `before_release` runs
+        once the move is certain, before any GPU block is released (it drops derived blocks)."""
+        fresh = self.pool.allocate(self.blocks_to_move(tables))
+        if fresh is None:
+            return None
+        before_release()
+        return self._move(tables, self.gpu, self.pool, fresh, to_cpu=True)
 
-    def move(self, tables: Sequence[BlockTable], src: BlockPool, dst: BlockPool, fresh: list[Block],
-             *, to_cpu: bool) -> list[tuple[int, int]]:  # fmt: skip
-        """Copy `tables`' blocks from `src` into `fresh` (from `reserve`), release the originals."""
+    def swap_in(self, tables: Sequence[BlockTable]) -> list[tuple[int, int]] | None:
+        """CPU -> fresh GPU blocks, or None (nothing changes) when the GPU pool lacks room."""
+        fresh = self.gpu.allocate(self.blocks_to_move(tables))
+        if fresh is None:
+            return None
+        return self._move(tables, self.pool, self.gpu, fresh, to_cpu=False)
+
+    @staticmethod
+    def _move(tables: Sequence[BlockTable], src: BlockPool, dst: BlockPool, fresh: list[Block],
+              *, to_cpu: bool) -> list[tuple[int, int]]:  # fmt: skip
         holders = Counter(b for t in tables for b in t.resident)  # src block -> tables holding it
         mapping = {}
         for src_id, dst_block in zip(holders, fresh, strict=True):

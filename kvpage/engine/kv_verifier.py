@@ -102,9 +102,9 @@ def _out_of_range(lkv, ids: list[int], filled: torch.Tensor):
         x = t.index_select(0, index).cpu()  # [blocks, kv_heads, block_size, head_dim]
         # [blocks, slots]: a value that is not finite (int8: a level outside the quantizer's -127..127;
         # fp8 e4m3fn: the NaN bytes 0x7f / 0xff, it has no infinity)
-        if lkv.kind == "int8":
+        if lkv.kv_dtype == "int8":
             bad = (x == -128).any(-1).any(1)
-        elif lkv.kind == "fp8":
+        elif lkv.kv_dtype == "fp8":
             bad = ((x & 0x7F) == 0x7F).any(-1).any(1)
         else:
             bad = ~torch.isfinite(x).all(-1).all(1)
@@ -123,7 +123,7 @@ def _recompute(engine, chain, compare: list[int]) -> list[tuple[int, int, str]]:
     tokens = [t for b in chain for t in b.cache_key.token_ids]
     first = engine.kv_cache.layers[0]
     scratch = KVCache(model.config, len(chain), bs, model.embed_tokens.weight.dtype, first.k.device,
-                      kv_cache_dtype=engine.kv_cache.kind, backend=model.attention_backend)  # fmt: skip
+                      kv_cache_dtype=engine.kv_cache.kv_cache_dtype, backend=model.attention_backend)  # fmt: skip
     step = ScheduledSequence("verify", tokens, 0, list(range(len(chain))), return_logits=False)
     inputs = build_inputs([step], bs, first.k.device)
     with torch.no_grad():

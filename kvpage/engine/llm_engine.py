@@ -7,8 +7,9 @@ One step, data flowing one way:
     -> RequestUpdate (forks, tokens, finished sequences) -> Scheduler.update_from_output()
     -> StepResult (finished, failed) -> RequestOutput for every request that advanced or ended
 
-Sampling policy lives here; block policy in the scheduler and the KV-cache manager; text in the
-output processor. Bad parameters raise ValueError in add_request; a step that still fails fails
+Building (the model, the sized cache, every component) is builder.py's; sampling the sampler's
+(worker/sampler.py); block policy the scheduler's and the KV-cache manager's; text the output
+processor's. Bad parameters raise ValueError in add_request; a step that still fails fails
 only the requests it concerns (the whole batch if the model raised, else the one request).
 """
 
@@ -21,119 +22,44 @@ import time
 import torch
 
 from kvpage.config import EngineConfig
-from kvpage.core import CacheStats, KVCacheManager
+from kvpage.core import CacheStats
 from kvpage.core.request import Request, Sequence
-from kvpage.core.scheduler import Scheduler
 from kvpage.core.scheduler_output import SchedulerOutput
 from kvpage.core.step_update import RequestUpdate, SeqUpdate, StepResult
 from kvpage.engine.beam_search import BeamSearch
+from kvpage.engine.builder import build_engine
+from kvpage.engine.engine_stats import EngineStats
 from kvpage.engine.kv_verifier import KVVerifyReport, verify_kv_cache
 from kvpage.engine.output_processor import OutputProcessor, RequestState
-from kvpage.models import choose_dtype, load_model, parse_dtype
-from kvpage.models.batch_invariant import make_batch_invariant
+from kvpage.errors import ParameterError
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams
-from kvpage.worker.gpu_memory import profile_kv_budget
-from kvpage.worker.kv_cache import KVCache, kv_dtype_name
-from kvpage.worker.model_runner import ModelRunner, ModelRunnerOutput
-from kvpage.worker.sampler import SamplingRow, sample
+from kvpage.worker.model_runner import ModelRunnerOutput
+from kvpage.worker.sampler import Sampler
 
-DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
 _log = logging.getLogger("kvpage")
-
-
-def describe_kernels(chosen: str, asked: str) -> str:
-    """What runs the attention and per-layer math, for the start-up line."""
-    if chosen == "cpu":
-        return "compiled CPU kernels"
-    if chosen == "triton":
-        from kvpage.attention.triton_paged import interpreted
-
-        return "Triton kernels" + (" (in Triton's interpreter)" if interpreted() else "")
-    if asked == "auto":
-        from kvpage.ops import unavailable_reason
-
-        why = unavailable_reason()
-        return f"torch reference ({why})" if why else "torch reference (not a CPU device)"
-    return "torch reference"
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.dtype_name, self.dtype_reason = choose_dtype(config.dtype, config.device)  # "auto" resolved here
-        dtype = parse_dtype(self.dtype_name)
-        loaded = load_model(config.model, dtype=dtype, device=config.device, backend=config.attention_backend,
-                            weight_dtype=config.weight_dtype)  # fmt: skip
-        if loaded.tokenizer is None:
-            raise ValueError(f"model {config.model!r} has no tokenizer; kvpage needs one to serve text")
-        if config.deterministic:
-            make_batch_invariant(loaded.model)
-        self.model_config = loaded.config
-        self.kernels = describe_kernels(loaded.model.attention_backend.name, config.attention_backend)
-        if config.weight_dtype:
-            self.kernels += f"; {config.weight_dtype} weights"
-        if config.deterministic:
-            self.kernels += "; deterministic (batch-invariant kernels)"
-        if config.kv_cache_dtype != "auto":
-            torch_path = config.kv_cache_dtype == "fp8" and self.kernels != "torch reference"
-            self.kernels += f"; {config.kv_cache_dtype} KV cache" + (
-                " (attention on the torch path)" if torch_path else ""
-            )
-        self.tokenizer = loaded.tokenizer
-        block_size = config.block_size
-        per_block = KVCache.bytes_per_block(loaded.config, block_size, dtype, config.kv_cache_dtype)
-        self.kv_dtype_name = kv_dtype_name(config.kv_cache_dtype, dtype)
-        self.bytes_per_block = per_block
-        self.kv_pool_note = ""
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        else:
-            memory = config.kv_cache_memory if config.kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY
-            if config.kv_cache_memory is None and torch.device(config.device).type == "cuda":
-                memory, self.kv_pool_note = profile_kv_budget(
-                    loaded.model, loaded.config, config.device, dtype, block_size, config.max_num_batched_tokens,
-                    config.max_num_seqs, config.kv_cache_dtype, config.gpu_memory_utilization,
-                )  # fmt: skip
-            num_blocks = int(memory) // per_block
-            if num_blocks < 1:
-                raise ValueError(f"kv_cache_memory={memory} bytes holds no block of {per_block} bytes")
-            if self.kv_pool_note:
-                self.kv_pool_note += f" = {num_blocks} blocks of {block_size} tokens ({per_block} bytes each)"
-        num_cpu_blocks = int(config.swap_space) // per_block
-        num_tier_blocks = int(config.cpu_offload_memory) // per_block
-        capacity = num_blocks * block_size
-        context = loaded.config.max_position_embeddings
-        max_model_len = config.max_model_len or min(context, capacity)
-        if max_model_len > context:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length {context}")
-        if max_model_len > capacity and not config.kv_eviction.evicts:  # (evicting requests stay within their budget)
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the KV cache's capacity of {capacity} tokens "
-                f"({num_blocks} blocks of {block_size}); raise kv_cache_memory / num_kv_blocks or lower max_model_len"
-            )
-        self.max_model_len = max_model_len
-        self.kv_manager = KVCacheManager(
-            num_blocks,
-            block_size,
-            num_cpu_blocks=num_cpu_blocks,
-            enable_prefix_caching=config.enable_prefix_caching,
-            watermark=config.watermark,
-            bytes_per_block=per_block,
-            num_tier_blocks=num_tier_blocks,
+        parts = build_engine(config)  # the model loaded, the cache sized, every component built (builder.py)
+        self.dtype_name, self.dtype_reason, self.kernels = parts.dtype_name, parts.dtype_reason, parts.kernels
+        self.model_config, self.tokenizer = parts.model_config, parts.tokenizer
+        self.kv_dtype_name, self.bytes_per_block, self.kv_pool_note = (
+            parts.kv_dtype_name,
+            parts.bytes_per_block,
+            parts.kv_pool_note,
         )
-        self.kv_cache = KVCache(loaded.config, num_blocks, block_size, dtype, config.device, num_cpu_blocks,
-                                config.kv_cache_dtype, num_tier_blocks,
-                                backend=loaded.model.attention_backend)  # fmt: skip
-        self.runner = ModelRunner(loaded.model, self.kv_cache, config.device)
-        self.scheduler = Scheduler(
-            self.kv_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            preemption_mode=config.preemption_mode,
+        self.max_model_len = max_model_len = parts.max_model_len
+        self.kv_manager, self.kv_cache, self.runner, self.scheduler = (
+            parts.kv_manager,
+            parts.kv_cache,
+            parts.runner,
+            parts.scheduler,
         )
         self.outputs = OutputProcessor(self.tokenizer, max_model_len)
+        self.sampler = Sampler()  # the generators of every sample, their rows, the draws
         self._states: dict[str, RequestState] = {}
         self._arrivals = 0
         self._rng = random.Random(config.seed)
@@ -143,6 +69,7 @@ class LLMEngine:
         self.timings = {"schedule": 0.0, "execute": 0.0, "sample": 0.0}
         self.num_kv_verified_blocks = 0  # counted by verify_kv_cache, read by /metrics
         self.num_kv_mismatches = 0  # (a periodic check that could not run counts as one)
+        self.snapshot = self._stats()  # replaced, never changed, after each step (engine_stats.py)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -217,21 +144,23 @@ class LLMEngine:
         self.scheduler.add_request(req)  # one that can never be scheduled is reported by the next step
         self._states[request_id] = st
         self.num_prompt_tokens += len(ids)
+        self.snapshot = self._stats()
 
     def check_width(self, name: str, width: int) -> None:
-        """ValueError unless `width` sequences of one request can run in the same step."""
-        cfg = self.config
-        limits = (("max_num_seqs", cfg.max_num_seqs), ("max_num_batched_tokens", cfg.max_num_batched_tokens))
-        for limit_name, limit in limits:
-            if width > limit:
-                raise ValueError(
-                    f"{name}={width}: its {width} sequences run in the same step, but {limit_name}={limit}"
-                )
+        """ParameterError (naming `name`) unless `width` sequences of one request can run in the same step."""
+        broken = self.scheduler.limits.width_limit(width)
+        if broken is not None:
+            limit_name, limit = broken
+            raise ParameterError(
+                name, f"{name}={width}: its {width} sequences run in the same step, but {limit_name}={limit}"
+            )
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks go back to the pool. Unknown ids are ignored."""
         if self._states.pop(request_id, None) is not None:
             self.scheduler.abort_request(request_id)
+            self.sampler.forget(request_id)
+            self.snapshot = self._stats()
 
     def has_request(self, request_id: str) -> bool:
         """Whether the request is still running (queued, running or swapped out)."""
@@ -246,6 +175,12 @@ class LLMEngine:
 
     def cache_stats(self) -> CacheStats:
         return self.kv_manager.stats()
+
+    def _stats(self) -> EngineStats:
+        sched = self.scheduler
+        return EngineStats(self.num_steps, self.kv_manager.stats(), len(sched.running), len(sched.waiting),
+                           len(sched.swapped), sched.num_preemptions, self.num_prompt_tokens,
+                           self.num_generation_tokens, self.num_kv_verified_blocks, self.num_kv_mismatches)  # fmt: skip
 
     def verify_kv_cache(self, sample: int = 4, seed: int = 0) -> KVVerifyReport:
         """Check the blocks in use (finite, in range) and, in deterministic mode, recompute `sample`
@@ -280,7 +215,7 @@ class LLMEngine:
         errors: dict[str, str] = {}
         for s in sched.sequences:
             lp = run.prompt_logprobs.get(s.seq_id)
-            st = self._states.get(s.seq_id.request_id)  # type: ignore[attr-defined]
+            st = self._states.get(s.seq_id.request_id)
             if lp is not None and st is not None:
                 try:
                     self.outputs.collect_prompt_logprobs(st, s.num_computed, lp)
@@ -288,9 +223,9 @@ class LLMEngine:
                     errors[st.request.request_id] = f"prompt logprobs failed: {type(e).__name__}: {e}"
         rows: dict[str, list[tuple[Sequence, int]]] = {}
         for row, key in enumerate(run.seq_ids):
-            st = self._states.get(key.request_id)  # type: ignore[attr-defined]
+            st = self._states.get(key.request_id)
             if st is not None:
-                rows.setdefault(key.request_id, []).append((st.request.sequences[key.index], row))  # type: ignore[attr-defined]
+                rows.setdefault(key.request_id, []).append((st.request.sequences[key.index], row))
         updates: dict[str, RequestUpdate] = {}
         advanced: dict[str, RequestState] = {}
         now = time.monotonic()
@@ -326,6 +261,7 @@ class LLMEngine:
         for out in outputs:
             if out.finished:
                 self._states.pop(out.request_id, None)
+                self.sampler.forget(out.request_id)
         t3 = time.perf_counter()
         self.num_steps += 1
         if self.config.verify_kv_every and self.num_steps % self.config.verify_kv_every == 0:
@@ -337,6 +273,7 @@ class LLMEngine:
         self.timings["schedule"] += t1 - t0
         self.timings["execute"] += t2 - t1
         self.timings["sample"] += t3 - t2
+        self.snapshot = self._stats()
         return outputs
 
     # ------------------------------------------------------------------ sampling
@@ -350,30 +287,11 @@ class LLMEngine:
             for index in range(1, params.n):  # the samples share every prompt block (copy-on-write)
                 self.outputs.new_seq_state(st, index)
                 targets.append((index, parent.index, parent, row))
-        rows = [self._sampling_row(st, index, seq, row) for index, _, seq, row in targets]
-        for (index, parent, seq, _), tok in zip(targets, sample(logits, rows), strict=True):
+        rows = [self.sampler.row(req.request_id, st.seed, index, params, seq.token_ids, seq.num_prompt_tokens,
+                                 st.stop_token_ids, row) for index, _, seq, row in targets]  # fmt: skip
+        for (index, parent, seq, _), tok in zip(targets, self.sampler.sample(logits, rows), strict=True):
             reason, stop = self.outputs.accept(st, index, seq.token_ids, seq.num_prompt_tokens, tok)
             update.sequences.append(SeqUpdate(index, tok.token_id, parent, reason, stop))
-
-    def _sampling_row(self, st: RequestState, index: int, seq: Sequence, row: int) -> SamplingRow:
-        p: SamplingParams = st.params  # type: ignore[assignment]
-        out_ids = seq.output_token_ids
-        return SamplingRow(
-            logits_row=row,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            min_p=p.min_p,
-            presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty,
-            repetition_penalty=p.repetition_penalty,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens] if p.repetition_penalty != 1.0 else [],
-            output_token_ids=out_ids,
-            banned_token_ids=sorted(st.stop_token_ids) if len(out_ids) < p.min_tokens else [],
-            generator=st.seqs[index].generator,
-            num_logprobs=p.logprobs,
-            logit_bias=p.logit_bias,
-        )
 
     def _beam_step(self, st: RequestState, seq_rows, logits: torch.Tensor, update: RequestUpdate) -> None:
         beam = st.beam

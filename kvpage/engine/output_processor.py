@@ -19,7 +19,7 @@ from kvpage.engine.beam_search import BeamSearch
 from kvpage.models.tokenizer import Tokenizer
 from kvpage.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams
-from kvpage.worker.sampler import SampledToken, seeded_generator
+from kvpage.worker.sampler import SampledToken
 
 _CONTEXT = 6  # prompt tokens fed to a new decode stream, so the first output token decodes right
 
@@ -27,7 +27,6 @@ _CONTEXT = 6  # prompt tokens fed to a new decode stream, so the first output to
 @dataclass(slots=True)
 class SeqState:
     stream: DecodeStream
-    generator: torch.Generator
     logprobs: list[PositionLogprobs] | None
     text: str = ""
     cumulative_logprob: float = 0.0
@@ -68,12 +67,11 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def new_seq_state(self, st: RequestState, index: int) -> SeqState:
-        g = seeded_generator(st.seed, index)
         params = st.params
         skip = getattr(params, "skip_special_tokens", True)
         want_lp = getattr(params, "logprobs", None) is not None
         stream = DecodeStream(ids=st.request.prompt_token_ids[-_CONTEXT:], skip_special_tokens=skip)
-        ss = SeqState(stream, g, [] if want_lp else None)
+        ss = SeqState(stream, [] if want_lp else None)
         st.seqs[index] = ss
         return ss
 
@@ -163,6 +161,7 @@ class OutputProcessor:
             outputs=outs,
             finished=req.finished or req.error is not None,
             error=req.error,
+            rejected=req.rejected,
             metrics=metrics,
         )
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpage.core.kv_bytes import kv_bytes_per_token
@@ -47,9 +47,6 @@ class ModelConfig:
         scales included; the one formula, in kvpage/core/kv_bytes.py."""
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, kv_dtype)
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
     def to_hf(self) -> dict[str, Any]:
         """A Hugging Face config.json that `from_hf` (and transformers) read back as this config."""
         hf = {
@@ -72,10 +69,6 @@ class ModelConfig:
             "eos_token_id": self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else self.eos_token_ids or None,
         }
         return hf
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        return cls(**d)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:

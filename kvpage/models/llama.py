@@ -19,7 +19,6 @@ from torch import nn
 
 from kvpage.attention import AttentionBackend, AttentionMetadata, LayerKV, get_backend
 from kvpage.models.config import ModelConfig
-from kvpage.models.fused_decode import FusedDecode
 from kvpage.models.layer_ops import TorchLayerOps, rms_norm_ref
 
 
@@ -41,10 +40,10 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     # explicit device: the model may be built under torch.device("meta"), and these are not weights
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
     scaling = cfg.rope_scaling or {}
-    kind = scaling.get("rope_type", "default")
-    if kind == "linear":
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type == "linear":
         inv_freq = inv_freq / scaling["factor"]
-    elif kind == "llama3":
+    elif rope_type == "llama3":
         factor = scaling["factor"]
         low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
         old_len = scaling["original_max_position_embeddings"]
@@ -147,7 +146,6 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_weight = None  # set by weight_quant.quantize_model
-        self.fused_decode: FusedDecode | None = FusedDecode(self)  # None: always layer by layer
 
     def forward(
         self,
@@ -156,12 +154,15 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[LayerKV],  # per layer
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # hidden states [T, hidden]
+        return self.run_layers(*self.embed(input_ids, positions), kv_caches, meta)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """(embeddings [T, hidden], cos, sin): what every layer starts from."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
-        if self.fused_decode is not None:
-            fused = self.fused_decode.run(x, cos, sin, kv_caches, meta)
-            if fused is not None:
-                return fused
+        return (x, *self.rotary(positions, x.dtype))
+
+    def run_layers(self, x, cos, sin, kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
+        """Every decoder layer, then the final norm: hidden states [T, hidden]."""
         delta = None
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             x, delta = layer(x, delta, cos, sin, kv, meta)

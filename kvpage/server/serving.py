@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import Request
 
+from kvpage.errors import ParameterError
 from kvpage.outputs import PositionLogprobs, RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams, parse_kv_eviction
 from kvpage.server.async_engine import AsyncEngine, EngineUnavailable
@@ -24,12 +25,6 @@ DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
 
 class ClientDisconnected(Exception):
     """The client went away before its answer was ready; its requests were aborted."""
-
-
-def is_client_error(error: str) -> bool:
-    """Whether a request's failure is the request's own doing (it can never fit or be scheduled),
-    not the server's (a step that raised)."""
-    return "can never fit" in error or "can never be scheduled" in error
 
 
 def translate(e: BaseException) -> BaseException:
@@ -146,8 +141,8 @@ class OpenAIServing:
                 if value is not None:
                     kw[name] = value
             return SamplingParams(**kw)
-        except ValueError as e:
-            raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+        except ValueError as e:  # a ParameterError names its field
+            raise APIError(400, str(e), param=e.param if isinstance(e, ParameterError) else None) from None
 
     def cache_salt(self, req, raw_request: Request) -> str | None:
         """The request's prefix-cache salt: its own `cache_salt`, and its tenant's with --salt-cache-per-key."""
@@ -184,7 +179,7 @@ class OpenAIServing:
             async with contextlib.aclosing(merge(gens, self.window(width))) as outs:
                 async for i, out in outs:
                     if out.error:
-                        raise APIError(400 if is_client_error(out.error) else 500, out.error)
+                        raise APIError(400 if out.rejected else 500, out.error)
                     yield i, out
         except Exception as e:  # noqa: BLE001 - translated, not swallowed
             raise translate(e) from None

@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpage.core.block import cdiv
 from kvpage.core.kv_bytes import ELEMENT_BYTES, kv_bytes_per_token
 
 KV_DTYPES = ELEMENT_BYTES  # bytes per stored value; int8 / fp8 add their scales
@@ -100,7 +101,7 @@ def report(shape: KVShape, block_size: int, batch: int, max_len: int, actual_len
         f"| paged, actual lengths | saved |",
         "|---|---|---|---|---|---|",
     ]
-    paged_tokens = sum(-(-n // block_size) * block_size for n in actual_lens)
+    paged_tokens = sum(cdiv(n, block_size) * block_size for n in actual_lens)
     for dtype in KV_DTYPES:
         per_token = shape.bytes_per_token(dtype)
         contiguous = per_token * batch * max_len

@@ -24,6 +24,7 @@ import random
 import sys
 from dataclasses import dataclass, field
 
+from kvpage.core.block import cdiv
 from kvpage.core.kv_cache_manager import KVCacheManager
 from kvpage.core.request import Request
 from kvpage.core.scheduler import Scheduler
@@ -99,7 +100,7 @@ def make_workload(seed: int) -> Workload:
             )
         )
     # a pool most requests fit alone, but not all together: preemption is the rule, not the exception
-    need = [r["width"] * -(-(len(r["prompt"]) + r["max_tokens"]) // bs) for r in w.requests]
+    need = [r["width"] * cdiv(len(r["prompt"]) + r["max_tokens"], bs) for r in w.requests]
     w.num_blocks = rng.randint(max(3, min(need)), max(4, max(need), sum(need) // 2))
     w.num_cpu_blocks = rng.randint(w.num_blocks // 2, 2 * w.num_blocks) if swap else 0
     w.max_model_len = rng.randint(4, w.num_blocks * bs + 8) if rng.random() < 0.3 else w.num_blocks * bs
@@ -212,7 +213,7 @@ class Simulation:
         w, bs = self.w, self.w.block_size
         longest = min(len(spec["prompt"]) + spec["max_tokens"], w.max_model_len)
         at_once = 1 if spec["width"] > 1 and not spec["beam"] else spec["width"]  # a sample need only fit alone
-        fits = at_once * -(-longest // bs) <= w.num_blocks
+        fits = at_once * cdiv(longest, bs) <= w.num_blocks
         schedulable = len(spec["prompt"]) <= w.max_model_len and spec["width"] <= min(
             w.max_num_seqs, w.max_num_batched_tokens
         )
@@ -229,8 +230,8 @@ class Simulation:
             for pos, tok in enumerate(s.token_ids, start=s.num_computed):
                 self.gpu[s.block_table[pos // bs] * bs + pos % bs] = tok
         for s in out.sequences:  # ... then each sequence attends to its whole context
-            req = self.sched.requests[s.seq_id.request_id]  # type: ignore[attr-defined]
-            tokens = req.sequences[s.seq_id.index].token_ids  # type: ignore[attr-defined]
+            req = self.sched.requests[s.seq_id.request_id]
+            tokens = req.sequences[s.seq_id.index].token_ids
             seen = [self.gpu.get(s.block_table[p // bs] * bs + p % bs) for p in range(s.seq_len)]
             if seen != tokens[: s.seq_len]:
                 raise self.fail(f"{s.seq_id} attends to {seen}, not its tokens {tokens[: s.seq_len]}")
@@ -240,7 +241,7 @@ class Simulation:
         rows: dict[str, list[int]] = {}
         for s in out.sequences:
             if s.return_logits:
-                rows.setdefault(s.seq_id.request_id, []).append(s.seq_id.index)  # type: ignore[attr-defined]
+                rows.setdefault(s.seq_id.request_id, []).append(s.seq_id.index)
         updates = {}
         for rid, indices in rows.items():
             req, sim = self.sched.requests[rid], self.sims[rid]

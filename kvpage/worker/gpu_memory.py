@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from kvpage.core.block import cdiv
+
 
 def kv_cache_budget(total: int, used_elsewhere: int, peak: int, utilization: float) -> int:
     """Bytes the KV pool may take (see the module docstring); ValueError when nothing is left."""
@@ -39,7 +41,7 @@ def profile_kv_budget(model, cfg, device, dtype, block_size: int, max_tokens: in
     device = torch.device(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    blocks = -(-max_tokens // block_size)
+    blocks = cdiv(max_tokens, block_size)
     scratch = KVCache(cfg, blocks, block_size, dtype, device, kv_cache_dtype=kv_cache_dtype,
                       backend=model.attention_backend)  # fmt: skip
     meta = AttentionMetadata.build([max_tokens], [max_tokens], [list(range(blocks))], block_size, device)

@@ -8,13 +8,12 @@ A sequence whose policy evicted blocks attends over its resident blocks only: it
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 
 from kvpage.attention import AttentionMetadata
-from kvpage.core.scheduler_output import ScheduledSequence
+from kvpage.core.scheduler_output import ScheduledSequence, SeqKey
 
 
 @dataclass(slots=True)
@@ -24,7 +23,7 @@ class ModelInputs:
     meta: AttentionMetadata
     sequences: list[ScheduledSequence]  # in batch order (decodes first)
     logits_index: torch.Tensor  # rows of the last token of each sequence that returns logits
-    logits_seq_ids: list[Hashable]
+    logits_seq_ids: list[SeqKey]
 
 
 def build_inputs(scheduled: list[ScheduledSequence], block_size: int, device: torch.device | str) -> ModelInputs:
@@ -32,7 +31,7 @@ def build_inputs(scheduled: list[ScheduledSequence], block_size: int, device: to
     ids: list[int] = []
     positions: list[int] = []
     logits_rows: list[int] = []
-    logits_seq_ids: list[Hashable] = []
+    logits_seq_ids: list[SeqKey] = []
     for s in seqs:
         if not s.token_ids:
             raise ValueError(f"sequence {s.seq_id!r} is scheduled with no tokens")

@@ -6,7 +6,7 @@ gather into contiguous matrices; see attention/torch_ref.py). Everything here mo
 along dimension 0, whatever the layout. Repeated K/V heads of grouped-query attention are never
 stored: a cache holds num_kv_heads heads only.
 
-With a quantized KV dtype ("int8", "fp8"; kvpage/worker/kv_quant.py) each layer also holds the
+With a quantized KV dtype ("int8", "fp8"; kvpage/attention/kv_quant.py) each layer also holds the
 scales, [num_blocks, num_kv_heads, block_size] float32 for K and for V: they belong to the block,
 so copy-on-write, swap and every other move of a block carry them with it, bit for bit.
 """
@@ -44,7 +44,7 @@ class KVCache:
         backend: AttentionBackend | None = None,  # whose layout the blocks take (default: the reference's)
     ) -> None:
         self.block_size = block_size
-        self.kind = kv_cache_dtype
+        self.kv_cache_dtype = kv_cache_dtype
         allocate = (backend or TorchReferenceBackend).allocate_kv
         pin = torch.device(device).type == "cuda"
 
@@ -88,7 +88,7 @@ class KVCache:
             half = k.shape[-1] // 2
             rotated = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
             if layer.quantized:
-                q, s = quantize(rotated, layer.kind)
+                q, s = quantize(rotated, layer.kv_dtype)
                 layer.k[dst], layer.k_scale[dst] = q, s  # type: ignore[index]
                 layer.v_scale.index_copy_(0, dst, layer.v_scale.index_select(0, src))  # type: ignore[union-attr]
             else:

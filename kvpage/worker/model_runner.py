@@ -9,27 +9,27 @@ asked. Sequences are opaque names here (`ScheduledSequence.seq_id`); the worker 
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
 
-from kvpage.core.scheduler_output import SchedulerOutput
+from kvpage.core.scheduler_output import SchedulerOutput, SeqKey
 from kvpage.models.llama import LlamaForCausalLM
+from kvpage.worker.fused_decode import FusedDecode
 from kvpage.worker.input_builder import build_inputs
 from kvpage.worker.kv_cache import KVCache
 
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    seq_ids: list[Hashable]  # the sequences whose last-token logits are returned, in row order
+    seq_ids: list[SeqKey]  # the sequences whose last-token logits are returned, in row order
     logits: torch.Tensor  # [len(seq_ids), vocab] float32
     # seq_id -> [len(chunk), vocab] float32 log-softmax; row i is the distribution of the token after token i
-    prompt_logprobs: dict[Hashable, torch.Tensor] = field(default_factory=dict)
+    prompt_logprobs: dict[SeqKey, torch.Tensor] = field(default_factory=dict)
     # H2O: seq_id -> attention mass each entry of its block table received, per head and layer
-    attention_mass: dict[Hashable, list[float]] = field(default_factory=dict)
+    attention_mass: dict[SeqKey, list[float]] = field(default_factory=dict)
 
-    def logits_of(self, seq_id: Hashable) -> torch.Tensor:
+    def logits_of(self, seq_id: SeqKey) -> torch.Tensor:
         return self.logits[self.seq_ids.index(seq_id)]
 
 
@@ -38,6 +38,8 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = torch.device(device)
+        # the fast path for pure decode steps on the CPU kernels (fused_decode.py); None: layer by layer
+        self.fused_decode = FusedDecode(model) if FusedDecode.applies_to(model) else None
         self.timings = {"copy": 0.0, "prepare": 0.0, "forward": 0.0}  # seconds, summed over steps
 
     @torch.inference_mode()
@@ -55,7 +57,8 @@ class ModelRunner:
             return ModelRunnerOutput([], torch.empty(0))
         inputs = build_inputs(step.sequences, kv.block_size, self.device)
         t2 = time.perf_counter()
-        hidden = self.model(inputs.input_ids, inputs.positions, kv.layers, inputs.meta)
+        forward = self.fused_decode.forward if self.fused_decode is not None else self.model
+        hidden = forward(inputs.input_ids, inputs.positions, kv.layers, inputs.meta)
         logits = self.model.compute_logits(hidden[inputs.logits_index]).float()
         out = ModelRunnerOutput(inputs.logits_seq_ids, logits)
         mass = inputs.meta.block_mass

@@ -13,7 +13,9 @@ seed gives the same draws whether the logits live on the CPU or on a GPU.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -88,6 +90,52 @@ def _filter(x: torch.Tensor, row: SamplingRow) -> torch.Tensor:
         probs = x.softmax(-1)
         x = x.masked_fill(probs < row.min_p * probs.max(), float("-inf"))
     return x
+
+
+class Sampler:
+    """The engine's one owner of sampling: each sample's generator (seeded per request and sample
+    index on first use, kept while the request lives), the per-row settings taken from a request's
+    parameters (`row`), and the draw (`sample`: one argmax over every plain greedy row, the others
+    row by row, each from its own generator)."""
+
+    def __init__(self) -> None:
+        self._generators: dict[str, dict[int, torch.Generator]] = {}  # request id -> sample index -> generator
+
+    def row(self, request_id: str, seed: int, index: int, params: Any, token_ids: Sequence[int],
+            num_prompt_tokens: int, stop_token_ids: Collection[int], logits_row: int) -> SamplingRow:  # fmt: skip
+        """Sample `index` of a request (its tokens so far `token_ids`) as a row of the batch."""
+        gens = self._generators.setdefault(request_id, {})
+        generator = gens.get(index)
+        if generator is None:
+            generator = gens[index] = seeded_generator(seed, index)
+        out_ids = list(token_ids[num_prompt_tokens:])
+        return SamplingRow(
+            logits_row=logits_row,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            min_p=params.min_p,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+            prompt_token_ids=list(token_ids[:num_prompt_tokens]) if params.repetition_penalty != 1.0 else [],
+            output_token_ids=out_ids,
+            banned_token_ids=sorted(stop_token_ids) if len(out_ids) < params.min_tokens else [],
+            generator=generator,
+            num_logprobs=params.logprobs,
+            logit_bias=params.logit_bias,
+        )
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
+        return sample(logits, rows)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: its generators go."""
+        self._generators.pop(request_id, None)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._generators)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:

@@ -1,15 +1,19 @@
-"""The fused decode step (torch.ops.kvpage.decode_layers) against the same model layer by layer.
+"""The model runner's fused decode step (torch.ops.kvpage.decode_layers) against the same model
+layer by layer.
 
 It must give the same bits as the layer-by-layer kernel path in every case it takes, and must not
 take the steps it cannot run (prefill chunks, H2O's mass, fp8 caches, the reference ops)."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.models import ModelConfig, load_model
+from kvpage.worker.fused_decode import FusedDecode
 from kvpage.worker.kv_cache import KVCache
 
 pytestmark = pytest.mark.skipif(not __import__("kvpage.ops").ops.load(), reason="CPU kernels unavailable")
@@ -46,10 +50,19 @@ def _step(lm, seq_lens, block_size, kv_cache_dtype="auto", seed=0):
     return input_ids, positions, kv, meta
 
 
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one per model, as one runner holds one
+
+
+def _fused(lm) -> FusedDecode:
+    if lm.model not in _FUSED:
+        _FUSED[lm.model] = FusedDecode(lm.model)
+    return _FUSED[lm.model]
+
+
 def _both(lm, input_ids, positions, kv, meta):
     """(fused, layer by layer, whether the fused path ran), each from the same cache contents."""
     model = lm.model
-    fused = model.fused_decode
+    fused = _fused(lm)
     saved = [t.clone() for layer in kv.layers for t in layer.tensors()]
     ran = []
     real = fused.run
@@ -62,16 +75,12 @@ def _both(lm, input_ids, positions, kv, meta):
     with torch.inference_mode():
         fused.run = spy
         try:
-            a = model(input_ids, positions, kv.layers, meta)
+            a = fused.forward(input_ids, positions, kv.layers, meta)
         finally:
             del fused.run
         for t, s in zip((t for layer in kv.layers for t in layer.tensors()), saved, strict=True):
             t.copy_(s)  # the layer-by-layer pass writes the same K/V into the same slots
-        model.fused_decode = None
-        try:
-            b = model(input_ids, positions, kv.layers, meta)
-        finally:
-            model.fused_decode = fused
+        b = model(input_ids, positions, kv.layers, meta)
     return a, b, ran == [True]
 
 
@@ -128,4 +137,4 @@ def test_weights_quantized_after_a_fused_step_are_read_afresh():
     quantize_model(lm.model, "int8")
     a, b, ran = _both(lm, *_step(lm, [6, 9], 4))
     assert ran and torch.equal(a, b)
-    assert lm.model.fused_decode._weights[1] == 8  # it gathered the int8 weights, not the old float ones
+    assert _fused(lm)._weights[1] == 8  # it gathered the int8 weights, not the old float ones

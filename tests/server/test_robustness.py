@@ -156,3 +156,54 @@ def test_a_request_that_can_never_fit_fails_alone_and_the_server_keeps_answering
         assert_pool_free(s)
     finally:
         stop_server(s)
+
+
+def test_a_scrape_under_load_sees_one_steps_state():
+    """/metrics reads the snapshot the engine thread publishes after each step, never the pool and the
+    queues while a step changes them: every scrape is self-consistent, and its counters never go back."""
+    import threading
+
+    s = start_server(num_kv_blocks=40, max_model_len=320, max_num_seqs=8)  # tight: preemptions happen
+    try:
+        client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0)
+        done = threading.Event()
+        scrapes: list[dict] = []
+
+        def scraper():
+            while not done.is_set():
+                scrapes.append(scrape(s))
+
+        def one(i: int):
+            client.completions.create(model="smollm2", prompt=f"Story {i}: once upon a time", max_tokens=48, n=2,
+                                      temperature=1.0, seed=i, extra_body={"ignore_eos": True})  # fmt: skip
+
+        t = threading.Thread(target=scraper)
+        t.start()
+        workers = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=120)
+        done.set()
+        t.join(timeout=30)
+        assert len(scrapes) >= 5
+        block = 'kvpage:kv_cache_blocks{{state="{}"}}'.format
+        busy = False
+        for m in scrapes:
+            used, free, total = m[block("used")], m[block("free")], m[block("total")]
+            assert used + free == total and m[block("cached")] <= free and m[block("shared")] <= used
+            assert m["kvpage:kv_cache_usage_perc"] == pytest.approx(used / total)
+            queued = (
+                m["kvpage:num_requests_running"] + m["kvpage:num_requests_waiting"] + m["kvpage:num_requests_swapped"]
+            )
+            assert queued > 0 or used == 0, m  # blocks are held only by requests the same scrape counts
+            assert m["kvpage:prefix_cache_hits_total"] <= m["kvpage:prefix_cache_queries_total"]
+            busy |= used > 0
+        for name in ("kvpage:engine_steps_total", "kvpage:generation_tokens_total", "kvpage:prompt_tokens_total",
+                     "kvpage:num_preemptions_total"):  # fmt: skip
+            values = [m[name] for m in scrapes]
+            assert values == sorted(values), name
+        assert busy and scrapes[-1]["kvpage:num_preemptions_total"] > 0
+        assert_pool_free(s)
+    finally:
+        stop_server(s)

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvpage.core.block import cdiv as _cdiv
+from kvpage.core.block import cdiv
 
 
 class EvictionPolicy(Protocol):
@@ -113,15 +113,15 @@ class StreamingLLM(_Bounded):
 
     def budget_tokens(self, block_size: int) -> int:
         """Tokens a sequence holds before anything is evicted (sinks and window, in whole blocks)."""
-        return (self.sink_blocks(block_size) + _cdiv(self.window_tokens, block_size)) * block_size
+        return (self.sink_blocks(block_size) + cdiv(self.window_tokens, block_size)) * block_size
 
     def sink_blocks(self, block_size: int) -> int:
-        return _cdiv(self.sink_tokens, block_size)
+        return cdiv(self.sink_tokens, block_size)
 
     def chunk_tokens(self, block_size: int) -> int:
         """The longest prompt chunk such a sequence runs in one step (the window, in whole blocks):
         each token of a chunk sees the sinks, the window and the chunk before it."""
-        return _cdiv(self.window_tokens, block_size) * block_size
+        return cdiv(self.window_tokens, block_size) * block_size
 
     def evict(self, kept: Sequence[int], num_tokens: int, block_size: int, scores: Sequence[float]) -> list[int]:
         """Logical indices among `kept` (full, resident blocks) to release now."""
@@ -146,19 +146,19 @@ class H2O(_Bounded):
         _positive_int("kv_eviction.recent_tokens", self.recent_tokens, 1)
 
     def budget_tokens(self, block_size: int) -> int:
-        return (_cdiv(self.heavy_tokens, block_size) + _cdiv(self.recent_tokens, block_size)) * block_size
+        return (cdiv(self.heavy_tokens, block_size) + cdiv(self.recent_tokens, block_size)) * block_size
 
     def sink_blocks(self, block_size: int) -> int:
         return 0
 
     def chunk_tokens(self, block_size: int) -> int:
-        return _cdiv(self.recent_tokens, block_size) * block_size
+        return cdiv(self.recent_tokens, block_size) * block_size
 
     def evict(self, kept: Sequence[int], num_tokens: int, block_size: int, scores: Sequence[float]) -> list[int]:
         """The lowest-scored blocks outside the recent window, while more than `heavy_tokens` remain
         (ties: the older block goes first)."""
         old = [i for i in kept if (i + 1) * block_size <= num_tokens - self.recent_tokens]
-        excess = len(old) - _cdiv(self.heavy_tokens, block_size)
+        excess = len(old) - cdiv(self.heavy_tokens, block_size)
         if excess <= 0:
             return []
         return sorted(sorted(old, key=lambda i: (scores[i] if i < len(scores) else 0.0, i))[:excess])

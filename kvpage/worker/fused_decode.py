@@ -1,4 +1,5 @@
-"""A decode step's layers in one compiled call (torch.ops.kvpage.decode_layers).
+"""A decode step's layers in one compiled call (torch.ops.kvpage.decode_layers): the model runner's
+fast path, chosen by the runner (as nano-vllm and vLLM choose CUDA graphs there), never by the model.
 
 At one to a few sequences a step is bound by reading the weights (~17 ms for SmolLM2's 270 MB of
 bfloat16 here), and the ~12 Python-side calls per layer (module calls, dispatch, views, the
@@ -6,8 +7,8 @@ backend's checks) add ~15% to it. When every sequence of a step decodes one toke
 layers use the CPU kernels for both their math and attention, and the cache is in the model's dtype
 or int8, `FusedDecode.run` hands the whole stack to C++, which calls the same kernels in the same
 order: the hidden states are bit-identical to the layer-by-layer path. Anything else (prefill
-chunks, H2O's attention mass, fp8 caches, the reference ops or backend) returns None and the model
-runs layer by layer.
+chunks, H2O's attention mass, fp8 caches, the reference ops, a backend whose `fuses_decode` is
+False) runs the model layer by layer.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import weakref
 
 import torch
 
-from kvpage.attention.cpu_paged import CpuPagedBackend
 from kvpage.attention.layer_kv import LayerKV
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.models.layer_ops import KernelLayerOps
@@ -32,14 +32,23 @@ class FusedDecode:
 
     @staticmethod
     def applies_to(model) -> bool:
-        """Whether the model's layers could ever take this path (kernel ops and the CPU backend)."""
+        """Whether the model's layers could ever take this path (kernel ops, and a backend whose
+        cache layout and decode are the compiled kernels': `AttentionBackend.fuses_decode`)."""
         return isinstance(model.ops, KernelLayerOps) and all(
-            type(layer.self_attn.backend) is CpuPagedBackend for layer in model.layers
+            layer.self_attn.backend.fuses_decode for layer in model.layers
         )
 
     @property
     def model(self):
         return self._model()
+
+    def forward(self, input_ids, positions, kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
+        """The model's final-norm hidden states for a step: in one call when it is a pure decode
+        this path runs, else the model layer by layer (same bits either way)."""
+        model = self.model
+        x, cos, sin = model.embed(input_ids, positions)
+        hidden = self.run(x, cos, sin, kv_caches, meta)
+        return hidden if hidden is not None else model.run_layers(x, cos, sin, kv_caches, meta)
 
     def run(self, x, cos, sin, kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor | None:
         """The final-norm hidden states [T, hidden] of a pure decode step, or None if it does not apply."""
@@ -96,10 +105,10 @@ def _tensor_of(w):
 def _cache_lists(kv_caches: list[LayerKV], dtype: torch.dtype):
     """(k caches, v caches, k scales, v scales) as the kernels take them, or None for other caches."""
     first = kv_caches[0]
-    kind, kdtype = first.kind, first.k.dtype
-    if any(kv.kind != kind or kv.k.dtype != kdtype for kv in kv_caches):
+    kv_dtype, kdtype = first.kv_dtype, first.k.dtype
+    if any(kv.kv_dtype != kv_dtype or kv.k.dtype != kdtype for kv in kv_caches):
         return None
     ks, vs = [kv.k for kv in kv_caches], [kv.v for kv in kv_caches]
-    if kind == "int8":
+    if kv_dtype == "int8":
         return ks, vs, [kv.k_scale for kv in kv_caches], [kv.v_scale for kv in kv_caches]
     return (ks, vs, [], []) if not first.quantized and kdtype == dtype else None

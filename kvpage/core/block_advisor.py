@@ -28,6 +28,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpage.core.block import cdiv
+
 BLOCK_COST = 0  # token slots one block's management is worth, as measured here (see the module docstring)
 
 
@@ -58,7 +60,7 @@ def seed_rule(avg_len: float) -> int:
 
 def simulate(histogram: dict[int, int], block_size: int, block_cost: float = BLOCK_COST, shared_prefix: int = 0,
              shared_count: int = 0) -> BlockChoice:  # fmt: skip
-    blocks = sum(count * -(-length // block_size) for length, count in histogram.items())
+    blocks = sum(count * cdiv(length, block_size) for length, count in histogram.items())
     tokens = sum(length * count for length, count in histogram.items())
     slots = blocks * block_size
     shared_blocks = (shared_prefix // block_size) * max(shared_count - 1, 0)

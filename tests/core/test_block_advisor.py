@@ -7,7 +7,7 @@ import pytest
 
 from kvpage import LLM
 from kvpage.config import EngineConfig
-from kvpage.tools.block_advisor import advise, histogram_from, seed_rule, simulate
+from kvpage.core.block_advisor import advise, histogram_from, seed_rule, simulate
 from tests.engine.helpers import assert_clean, greedy
 
 

@@ -1,0 +1,126 @@
+"""Building an engine from its config: the dtype chosen, the model loaded, the KV pool sized (on
+CUDA after a profiling forward), max_model_len checked against it, and every component made.
+
+`LLMEngine` (llm_engine.py) takes the parts and only steps; nothing here runs a request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpage.config import EngineConfig
+from kvpage.core import KVCacheManager
+from kvpage.core.scheduler import Scheduler
+from kvpage.models import choose_dtype, load_model, parse_dtype
+from kvpage.models.batch_invariant import make_batch_invariant
+from kvpage.models.config import ModelConfig
+from kvpage.models.tokenizer import Tokenizer
+from kvpage.worker.gpu_memory import profile_kv_budget
+from kvpage.worker.kv_cache import KVCache, kv_dtype_name
+from kvpage.worker.model_runner import ModelRunner
+
+DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
+
+
+@dataclass(slots=True)
+class EngineParts:
+    dtype_name: str  # "auto" resolved
+    dtype_reason: str
+    kernels: str  # what runs attention and the per-layer math, for the start-up line
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    kv_dtype_name: str
+    bytes_per_block: int
+    kv_pool_note: str  # how the pool was sized on CUDA ("" otherwise)
+    max_model_len: int
+    kv_manager: KVCacheManager
+    kv_cache: KVCache
+    runner: ModelRunner
+    scheduler: Scheduler
+
+
+def describe_kernels(chosen: str, asked: str) -> str:
+    """What runs the attention and per-layer math, for the start-up line."""
+    if chosen == "cpu":
+        return "compiled CPU kernels"
+    if chosen == "triton":
+        from kvpage.attention.triton_paged import interpreted
+
+        return "Triton kernels" + (" (in Triton's interpreter)" if interpreted() else "")
+    if asked == "auto":
+        from kvpage.ops import unavailable_reason
+
+        why = unavailable_reason()
+        return f"torch reference ({why})" if why else "torch reference (not a CPU device)"
+    return "torch reference"
+
+
+def build_engine(config: EngineConfig) -> EngineParts:
+    dtype_name, dtype_reason = choose_dtype(config.dtype, config.device)
+    dtype = parse_dtype(dtype_name)
+    loaded = load_model(config.model, dtype=dtype, device=config.device, backend=config.attention_backend,
+                        weight_dtype=config.weight_dtype)  # fmt: skip
+    if loaded.tokenizer is None:
+        raise ValueError(f"model {config.model!r} has no tokenizer; kvpage needs one to serve text")
+    if config.deterministic:
+        make_batch_invariant(loaded.model)
+    backend = loaded.model.attention_backend
+    kernels = describe_kernels(backend.name, config.attention_backend)
+    if config.weight_dtype:
+        kernels += f"; {config.weight_dtype} weights"
+    if config.deterministic:
+        kernels += "; deterministic (batch-invariant kernels)"
+    if config.kv_cache_dtype != "auto":
+        torch_path = config.kv_cache_dtype == "fp8" and backend.name != "torch"
+        kernels += f"; {config.kv_cache_dtype} KV cache" + (" (attention on the torch path)" if torch_path else "")
+    block_size = config.block_size
+    per_block = KVCache.bytes_per_block(loaded.config, block_size, dtype, config.kv_cache_dtype)
+    num_blocks, note = _num_blocks(config, loaded, dtype, per_block)
+    num_cpu_blocks = int(config.swap_space) // per_block
+    num_tier_blocks = int(config.cpu_offload_memory) // per_block
+    max_model_len = _max_model_len(config, loaded.config.max_position_embeddings, num_blocks, block_size)
+    kv_manager = KVCacheManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
+                                enable_prefix_caching=config.enable_prefix_caching, watermark=config.watermark,
+                                bytes_per_block=per_block, num_tier_blocks=num_tier_blocks)  # fmt: skip
+    kv_cache = KVCache(loaded.config, num_blocks, block_size, dtype, config.device, num_cpu_blocks,
+                       config.kv_cache_dtype, num_tier_blocks, backend=backend)  # fmt: skip
+    scheduler = Scheduler(kv_manager, max_num_seqs=config.max_num_seqs,
+                          max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
+                          preemption_mode=config.preemption_mode)  # fmt: skip
+    return EngineParts(dtype_name, dtype_reason, kernels, loaded.config, loaded.tokenizer,
+                       kv_dtype_name(config.kv_cache_dtype, dtype), per_block, note, max_model_len, kv_manager,
+                       kv_cache, ModelRunner(loaded.model, kv_cache, config.device), scheduler)  # fmt: skip
+
+
+def _num_blocks(config: EngineConfig, loaded, dtype: torch.dtype, per_block: int) -> tuple[int, str]:
+    """The GPU pool's blocks: as asked, or what the memory holds (on CUDA without a size: profiled)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks, ""
+    note = ""
+    memory = config.kv_cache_memory if config.kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY
+    if config.kv_cache_memory is None and torch.device(config.device).type == "cuda":
+        memory, note = profile_kv_budget(
+            loaded.model, loaded.config, config.device, dtype, config.block_size, config.max_num_batched_tokens,
+            config.max_num_seqs, config.kv_cache_dtype, config.gpu_memory_utilization,
+        )  # fmt: skip
+    num_blocks = int(memory) // per_block
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory={memory} bytes holds no block of {per_block} bytes")
+    if note:
+        note += f" = {num_blocks} blocks of {config.block_size} tokens ({per_block} bytes each)"
+    return num_blocks, note
+
+
+def _max_model_len(config: EngineConfig, context: int, num_blocks: int, block_size: int) -> int:
+    capacity = num_blocks * block_size
+    max_model_len = config.max_model_len or min(context, capacity)
+    if max_model_len > context:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length {context}")
+    if max_model_len > capacity and not config.kv_eviction.evicts:  # (evicting requests stay within their budget)
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the KV cache's capacity of {capacity} tokens "
+            f"({num_blocks} blocks of {block_size}); raise kv_cache_memory / num_kv_blocks or lower max_model_len"
+        )
+    return max_model_len
