@@ -26,6 +26,7 @@ from kvpage.core import KVCacheManager
 from kvpage.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from kvpage.models import load_model
 from kvpage.models.dtype_choice import choose_dtype
+from kvpage.worker.fused_decode import step_forward
 from kvpage.worker.input_builder import build_inputs
 from kvpage.worker.kv_cache import KVCache
 
@@ -80,9 +81,11 @@ def measure(lm, kind: str, batch: int, repeat: int, kv_cache_dtype: str = "auto"
     step = step_for(kind, batch, mgr)
     inputs = build_inputs(step.sequences, BLOCK, "cpu")
 
+    run = step_forward(model)
+
     @torch.inference_mode()
     def forward():
-        hidden = model(inputs.input_ids, inputs.positions, kv.layers, inputs.meta)
+        hidden = run(inputs.input_ids, inputs.positions, kv.layers, inputs.meta)
         model.compute_logits(hidden[inputs.logits_index])
 
     t_forward = median_time(forward, repeat)  # as the runner runs it: fused where every sequence decodes

@@ -29,9 +29,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
             g.add_argument(flag, dest=f.name, action=action, default=f.default, help=meta["help"])
             continue
         kind = meta.get("type")
-        g.add_argument(flag, dest=f.name, default=None if f.default is MISSING else f.default,
-                       type=_argparse_type(kind) if kind else None, choices=meta.get("choices"),
-                       help=meta["help"])  # fmt: skip
+        convert = kind if kind in (int, float, None) else _argparse_type(kind)  # argparse's own messages for numbers
+        g.add_argument(flag, dest=f.name, default=None if f.default is MISSING else f.default, type=convert,
+                       choices=meta.get("choices"), metavar=meta.get("metavar"), help=meta["help"])  # fmt: skip
 
 
 def _argparse_type(parse):

@@ -28,10 +28,6 @@ def parse_bytes(value: int | str, field_name: str) -> int:
     return n
 
 
-def _cli_int(text: str) -> int:
-    return int(text)
-
-
 def _cli_block_size(text: str) -> int | str:
     if text == "auto":
         return text
@@ -72,7 +68,7 @@ class EngineConfig:
         type=_cli_block_size,
     )
     kv_cache_memory: int | str | None = _opt(None, "memory for the KV cache, e.g. 512MiB (default 512MiB)")
-    num_kv_blocks: int | None = _opt(None, "size the KV cache in blocks instead", type=_cli_int)
+    num_kv_blocks: int | None = _opt(None, "size the KV cache in blocks instead", type=int)
     enable_prefix_caching: bool = _opt(True, "turn automatic prefix caching off", flag="--no-prefix-caching")
     swap_space: int | str = _opt(0, "CPU memory for swapped-out blocks, e.g. 1GiB (default 0)")
     cpu_offload_memory: int | str = _opt(
@@ -87,10 +83,10 @@ class EngineConfig:
         "(to --swap-space); default: swap when it fits, else recompute",
         choices=["recompute", "swap"],
     )
-    max_num_seqs: int = _opt(256, "sequences running at once (default 256)", type=_cli_int)
-    max_num_batched_tokens: int = _opt(2048, "tokens per step (default 2048)", type=_cli_int)
-    max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's)", type=_cli_int)
-    seed: int = _opt(0, "engine seed (default 0)", type=_cli_int)
+    max_num_seqs: int = _opt(256, "sequences running at once (default 256)", type=int)
+    max_num_batched_tokens: int = _opt(2048, "tokens per step (default 2048)", type=int)
+    max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's)", type=int)
+    seed: int = _opt(0, "engine seed (default 0)", type=int)
     watermark: float = _opt(
         0.01,
         "share of the KV blocks kept free for running sequences to grow into when a request is admitted (default 0.01)",
@@ -137,7 +133,8 @@ class EngineConfig:
         "check the KV cache every N steps (finite values; with --deterministic a "
         "recompute of cached prefixes, bit for bit); mismatches are logged and counted in "
         "/metrics (default 0: never)",
-        type=_cli_int,
+        type=int,
+        metavar="N",
     )
 
     def __post_init__(self) -> None:

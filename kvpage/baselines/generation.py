@@ -27,12 +27,14 @@ from kvpage.attention.layer_kv import LayerKV
 from kvpage.core.block import cdiv
 from kvpage.models.llama import LlamaForCausalLM
 from kvpage.sampling_params import SamplingParams
+from kvpage.worker.fused_decode import step_forward
 from kvpage.worker.sampler import SamplingRow, sample, seeded_generator
 
 
 class _Generator:
     def __init__(self, model: LlamaForCausalLM, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.model = model
+        self._forward = step_forward(model)  # fused decode steps where the runner fuses them too
         self.cfg = model.config
         self.dtype = model.embed_tokens.weight.dtype
         self.device = model.embed_tokens.weight.device
@@ -51,8 +53,8 @@ class _Generator:
         positions = [p for i in order for p in range(starts[i], starts[i] + len(chunks[i]))]
         meta = AttentionMetadata.build([len(chunks[i]) for i in order], [starts[i] + len(chunks[i]) for i in order],
                                        [tables[i] for i in order], block_size, self.device)  # fmt: skip
-        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), kv,
-                            meta)  # fmt: skip
+        hidden = self._forward(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
+                               kv, meta)  # fmt: skip
         last = torch.tensor(meta.query_start_loc[1:], device=self.device) - 1
         logits = self.model.compute_logits(hidden[last]).float()
         out = torch.empty_like(logits)

@@ -2,7 +2,8 @@
 
     block, block_pool, free_block_queue   blocks, ref counts, the LRU free queue
     block_table       one sequence's table: holes, slot mapping, growth arithmetic
-    prefix_cache      chain hashes of full blocks -> the block holding that content
+    cache_key         the chain hash naming a full block's content
+    prefix_cache      chain hash -> the block holding that content
     prefix_registry   lookups and registration with commit / discard
     cpu_tier          copies of evicted prefix blocks in CPU memory
     swap              the CPU pool preempted sequences move to
@@ -21,10 +22,11 @@ Nothing here imports torch; a test enforces it.
 from kvpage.core.admission import Admission, AdmissionStatus
 from kvpage.core.block import Block
 from kvpage.core.block_pool import BlockPool
+from kvpage.core.cache_key import CacheKey, hash_block
 from kvpage.core.cache_stats import CacheStats
 from kvpage.core.invariants import InvariantError
 from kvpage.core.kv_cache_manager import CachedPrefix, KVCacheManager, SlotAllocation, StepBlocks
-from kvpage.core.prefix_cache import CacheKey, PrefixCache, hash_block
+from kvpage.core.prefix_cache import PrefixCache
 from kvpage.core.request import Request, RequestStatus, Sequence
 from kvpage.core.scheduler import Scheduler
 from kvpage.core.scheduler_output import ScheduledSequence, SchedulerOutput, SeqKey

@@ -8,10 +8,8 @@ and the links of the free queue it sits in while unreferenced (free_block_queue.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvpage.core.prefix_cache import CacheKey
+from kvpage.core.cache_key import CacheKey
 
 
 @dataclass(slots=True, eq=False)

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from kvpage.core.block import cdiv
 from kvpage.core.block_pool import BlockPool
+from kvpage.core.cache_key import extra_keys_for, hash_block
 from kvpage.core.invariants import check
-from kvpage.core.prefix_cache import extra_keys_for, hash_block
 
 HOLE = None  # a block-table entry whose block an eviction policy released
 

@@ -16,8 +16,9 @@ from collections.abc import Callable
 
 from kvpage.core.block import Block
 from kvpage.core.block_pool import BlockPool
+from kvpage.core.cache_key import CacheKey
 from kvpage.core.invariants import check
-from kvpage.core.prefix_cache import CacheKey, PrefixCache
+from kvpage.core.prefix_cache import PrefixCache
 
 
 class CpuTier:

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from kvpage.core.block import Block
 from kvpage.core.block_pool import BlockPool
 from kvpage.core.block_table import BlockTable
+from kvpage.core.cache_key import CacheKey, extra_keys_for, hash_block
 from kvpage.core.cpu_tier import CpuTier
 from kvpage.core.invariants import check
-from kvpage.core.prefix_cache import CacheKey, PrefixCache, extra_keys_for, hash_block
+from kvpage.core.prefix_cache import PrefixCache
 
 
 @dataclass(slots=True)

@@ -81,6 +81,8 @@ class Request:
         return self.eviction.unbounded
 
     def __post_init__(self) -> None:
+        if self.eviction is None:  # (None also means keep everything)
+            self.eviction = NO_EVICTION
         if not self.sequences:
             ids = list(self.prompt_token_ids)
             self.sequences.append(Sequence(SeqKey(self.request_id, 0), ids, len(ids)))

@@ -311,4 +311,4 @@ class Scheduler(Intake):
         """The manager's own checks (chain digests against the requests' tokens included), and the
         scheduler's (scheduler_invariants.py)."""
         self.kv.check_invariants({s.key: s.token_ids for r in self.requests.values() for s in r.live_sequences})
-        check_scheduler(self)
+        check_scheduler(self.kv, self.requests, self.running, self.waiting, self.swapped)

@@ -3,25 +3,22 @@ blocks its status implies, and the KV-cache manager holds no sequence that no re
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Mapping
 
 from kvpage.core.invariants import check
-from kvpage.core.request import RequestStatus
-
-if TYPE_CHECKING:
-    from kvpage.core.scheduler import Scheduler
+from kvpage.core.kv_cache_manager import KVCacheManager
+from kvpage.core.request import Request, RequestStatus
 
 
-def check_scheduler(sched: Scheduler) -> None:
-    kv = sched.kv
-    queues = {RequestStatus.RUNNING: sched.running, RequestStatus.WAITING: sched.waiting,
-              RequestStatus.SWAPPED: sched.swapped}  # fmt: skip
+def check_scheduler(kv: KVCacheManager, requests: Mapping[str, Request], running: Collection[Request],
+                    waiting: Collection[Request], swapped: Collection[Request]) -> None:  # fmt: skip
+    queues = {RequestStatus.RUNNING: running, RequestStatus.WAITING: waiting, RequestStatus.SWAPPED: swapped}
     listed = [r for q in queues.values() for r in q]
-    check(len(listed) == len({id(r) for r in listed}) == len(sched.requests), "a request is queued twice or lost")
+    check(len(listed) == len({id(r) for r in listed}) == len(requests), "a request is queued twice or lost")
     held = set()
     for req in listed:
         check(req in queues[req.status], lambda: f"{req.request_id}: status {req.status} but queued elsewhere")
-        check(sched.requests.get(req.request_id) is req, lambda: f"{req.request_id}: not in the request map")
+        check(requests.get(req.request_id) is req, lambda: f"{req.request_id}: not in the request map")
         check(all(s.index == i for i, s in enumerate(req.sequences)), lambda: f"{req.request_id}: sequence indices")
         check(bool(req.live_sequences), lambda: f"{req.request_id}: queued with no live sequence")
         check(req.status is not RequestStatus.WAITING or not req.live_sequences[0].parked,

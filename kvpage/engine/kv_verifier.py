@@ -62,7 +62,7 @@ def verify_kv_cache(engine, sample: int = 4, seed: int = 0) -> KVVerifyReport:
         req = engine.scheduler.requests.get(seq_id.request_id)
         computed = req.sequences[seq_id.index].num_computed if req is not None else 0
         for j, b in enumerate(kv.block_table(seq_id)):
-            if b >= 0:
+            if b is not None:  # (a hole: an eviction policy released it)
                 holders.setdefault(b, []).append(f"{seq_id.request_id}#{seq_id.index}")
                 written[b] = max(written.get(b, 0), min(bs, max(0, computed - j * bs)))
     pool = kv.pool

@@ -33,7 +33,7 @@ from kvpage.engine.kv_verifier import KVVerifyReport, verify_kv_cache
 from kvpage.engine.output_processor import OutputProcessor, RequestState
 from kvpage.errors import ParameterError
 from kvpage.outputs import RequestOutput
-from kvpage.sampling_params import BeamSearchParams, SamplingParams
+from kvpage.sampling_params import BeamSearchParams, SamplingParams, parse_kv_eviction
 from kvpage.worker.model_runner import ModelRunnerOutput
 from kvpage.worker.sampler import Sampler
 
@@ -115,7 +115,8 @@ class LLMEngine:
         if bad_bias:
             raise ValueError(f"logit_bias: token id {bad_bias[0]} is outside the vocabulary [0, {vocab})")
         want_plp = not is_beam and params.prompt_logprobs is not None
-        eviction = self.config.kv_eviction if params.kv_eviction is None else params.kv_eviction
+        own = parse_kv_eviction(params.kv_eviction)  # (parsed in SamplingParams already: a type check)
+        eviction = self.config.kv_eviction if own is None else own
         if self.config.deterministic and eviction.wants_mass:
             raise ValueError(
                 "kv_eviction: h2o does not go with deterministic=True (its attention mass takes the torch path)"

@@ -112,3 +112,10 @@ def _cache_lists(kv_caches: list[LayerKV], dtype: torch.dtype):
     if kv_dtype == "int8":
         return ks, vs, [kv.k_scale for kv in kv_caches], [kv.v_scale for kv in kv_caches]
     return (ks, vs, [], []) if not first.quantized and kdtype == dtype else None
+
+
+def step_forward(model):
+    """What runs a step of `model` (input_ids, positions, kv caches, metadata -> hidden states): the
+    fused path where it can ever apply, else the model itself. The model runner, the static-cache
+    baseline and the forward-pass benchmark all run steps this way."""
+    return FusedDecode(model).forward if FusedDecode.applies_to(model) else model

@@ -15,7 +15,7 @@ import torch
 
 from kvpage.core.scheduler_output import SchedulerOutput, SeqKey
 from kvpage.models.llama import LlamaForCausalLM
-from kvpage.worker.fused_decode import FusedDecode
+from kvpage.worker.fused_decode import step_forward
 from kvpage.worker.input_builder import build_inputs
 from kvpage.worker.kv_cache import KVCache
 
@@ -38,8 +38,8 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = torch.device(device)
-        # the fast path for pure decode steps on the CPU kernels (fused_decode.py); None: layer by layer
-        self.fused_decode = FusedDecode(model) if FusedDecode.applies_to(model) else None
+        # the fast path for pure decode steps on the CPU kernels where it can apply (fused_decode.py)
+        self.forward = step_forward(model)
         self.timings = {"copy": 0.0, "prepare": 0.0, "forward": 0.0}  # seconds, summed over steps
 
     @torch.inference_mode()
@@ -57,8 +57,7 @@ class ModelRunner:
             return ModelRunnerOutput([], torch.empty(0))
         inputs = build_inputs(step.sequences, kv.block_size, self.device)
         t2 = time.perf_counter()
-        forward = self.fused_decode.forward if self.fused_decode is not None else self.model
-        hidden = forward(inputs.input_ids, inputs.positions, kv.layers, inputs.meta)
+        hidden = self.forward(inputs.input_ids, inputs.positions, kv.layers, inputs.meta)
         logits = self.model.compute_logits(hidden[inputs.logits_index]).float()
         out = ModelRunnerOutput(inputs.logits_seq_ids, logits)
         mass = inputs.meta.block_mass

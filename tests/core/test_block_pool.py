@@ -1,5 +1,6 @@
 from kvpage.core.block_pool import BlockPool
-from kvpage.core.prefix_cache import CacheKey, PrefixCache, hash_block
+from kvpage.core.cache_key import CacheKey, hash_block
+from kvpage.core.prefix_cache import PrefixCache
 
 
 def test_fresh_pool_hands_out_ids_in_order():

@@ -218,3 +218,13 @@ def test_an_h2o_request_releases_the_blocks_with_the_least_attention():
     assert max(peaks) <= 1 + 2 + 2 + 1
     table = kv.block_table(("r", 0)) if kv.has_sequence(("r", 0)) else None
     assert table is not None and table[2] != HOLE and table[0] == table[1] == HOLE
+
+
+def test_a_request_without_a_policy_keeps_everything():
+    from kvpage.core.eviction import NO_EVICTION
+
+    for req in (Request("r", [1, 2, 3], 0), Request("s", [1, 2, 3], 0, eviction=None)):
+        assert req.eviction is NO_EVICTION and not req.unbounded
+        assert req.eviction.chunk_tokens(BS) is None and req.eviction.admission_cap(BS) is None
+        assert req.eviction.slots_upto(5, 40) == 40  # slots for every token at once
+    assert StreamingLLM(sink_tokens=16, window_tokens=32).slots_upto(5, 40) == 5  # only for what it computes now

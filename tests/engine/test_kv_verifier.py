@@ -95,3 +95,23 @@ def test_fp8_blocks_are_range_checked_by_their_bytes():
     llm.llm_engine.kv_cache.layers[4].v.view(torch.uint8)[block, 2, 5, 9] = 0x7F  # e4m3fn's NaN
     report = llm.verify_kv_cache()
     assert [(m.block_id, m.layer, m.check) for m in report.mismatches] == [(block, 4, "range")]
+
+
+def test_a_sequence_with_evicted_blocks_is_checked_around_its_holes():
+    """A StreamingLLM sequence whose policy released blocks: the check reads the blocks it still holds
+    (holes are not blocks) and a periodic check during the run finds nothing wrong."""
+    llm = _llm(verify_kv_every=2, kv_eviction="streaming:sink_tokens=16,window_tokens=32")
+    engine = llm.llm_engine
+    engine.add_request("long", list(range(100, 200)), SamplingParams(max_tokens=40, ignore_eos=True))
+    while engine.has_unfinished_requests() and not engine.kv_manager.stats().evicted_tokens:
+        engine.step()
+    kv = engine.kv_manager
+    (seq,) = kv.seq_ids()
+    table = kv.block_table(seq)
+    assert None in table  # holes
+    report = llm.verify_kv_cache()
+    assert report.ok and report.blocks_checked == sum(b is not None for b in table) + 1  # + its sink copy
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.num_kv_mismatches == 0 and engine.num_kv_verified_blocks > report.blocks_checked
+    assert_clean(llm)

@@ -1,0 +1,53 @@
+"""The name of a full block's content: a chain hash, so a block only matches when everything before
+it matches:
+
+    h0 = H(None, tokens[0:B],  extra0)      extra0 holds the request's cache_salt, if any
+    h1 = H(h0,   tokens[B:2B], ())
+    h2 = H(h1,   tokens[2B:3B], ())
+
+H is SHA-256 over a fixed, unambiguous encoding. A registered block carries its `CacheKey`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ExtraKeys = tuple[str | int, ...]
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: ExtraKeys = ()) -> bytes:
+    """SHA-256 of (parent hash, token ids, extra keys), in a fixed, unambiguous encoding."""
+    h = hashlib.sha256()
+    h.update(parent if parent is not None else b"\x00" * 32)
+    h.update(len(token_ids).to_bytes(4, "little"))
+    tokens = array("q", token_ids)
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    h.update(tokens.tobytes())
+    h.update(json.dumps(list(extra_keys)).encode() if extra_keys else b"[]")  # every block but a salted first
+    return h.digest()
+
+
+def extra_keys_for(block_index: int, cache_salt: str | None) -> ExtraKeys:
+    """The salt enters the first block only; the chain carries it into every later block."""
+    if block_index == 0 and cache_salt is not None:
+        return ("salt", cache_salt)
+    return ()
+
+
+@dataclass(slots=True, frozen=True)
+class CacheKey:
+    """Everything that names a full block's content; kept on the block while it is registered."""
+
+    digest: bytes
+    parent: bytes | None
+    token_ids: tuple[int, ...]
+    extra_keys: ExtraKeys = ()
+
+    def is_consistent(self) -> bool:
+        return hash_block(self.parent, self.token_ids, self.extra_keys) == self.digest
