@@ -1,14 +1,9 @@
 """The KV-cache manager: block tables of sequences over a GPU block pool, as one facade.
 
 It owns the tables (block_table.py) and composes one component per concern, each owning its state
-and its invariants:
-
-    BlockPool        (block_pool.py)       the GPU blocks: ref counts, the LRU free queue
-    BlockBudget      (admission.py)        all block arithmetic: admission, growth, the watermark
-    PrefixRegistry   (prefix_registry.py)  lookups, registration with commit / discard
-    CpuTier          (cpu_tier.py)         copies of evicted prefix blocks in CPU memory
-    SwapSpace        (swap.py)             the CPU pool preempted sequences move to
-    EvictionWindows  (eviction/windows.py) holes, H2O scores, StreamingLLM sink copies
+and invariants: BlockPool (GPU blocks), BlockBudget (admission.py: all block arithmetic, the
+watermark), PrefixRegistry (lookups, commit / discard; it holds the CpuTier), SwapSpace (the CPU
+pool) and EvictionWindows (eviction/windows.py: holes, H2O scores, StreamingLLM sink copies).
 
 What the scheduler calls (plain data in, plain data out):
 
@@ -16,14 +11,11 @@ What the scheduler calls (plain data in, plain data out):
     admit(seq_ids, token_lists, adm, policy)            a request's sequences enter, sharing blocks
     need  = num_blocks_to_grow([(seq_id, n), ...])       blocks that growing them takes (sink copies too)
     step  = prepare_step(seq_id, token_ids, upto, slots) -> StepBlocks: slots, sinks, registration, table
-    finish_step([(seq_id, num_computed, mass), ...])     the step ran: commit, then eviction policies
-    fail_step()                                          the step failed: forget its registrations
-    swap_out(seq_ids) / can_swap_in(seq_ids) / swap_in(seq_ids),  fork(parent, child),  free(seq_id)
-    take_tier_transfers()                                the step's CPU-tier copies
+    finish_step([(seq_id, num_computed, mass), ...])  /  fail_step()     the step ran / failed
+    swap_out / can_swap_in / swap_in (seq_ids),  fork(parent, child),  free(seq_id),  take_tier_transfers()
 
-The manager owns blocks, not tokens: token ids belong to the request and are passed in where
-content matters (hashing a full block). A table grows one block at a time; nothing is reserved up
-to a maximum length.
+The manager owns blocks, not tokens: token ids belong to the request and are passed in where content
+matters (hashing a full block). A table grows one block at a time; nothing is reserved ahead.
 """
 
 from __future__ import annotations
@@ -192,10 +184,10 @@ class KVCacheManager:
             raise ValueError(f"admit() needs new, distinct sequence ids; got {list(seq_ids)!r}")
         lead, lead_tokens = seq_ids[0], token_lists[0]
         table = self._start(lead, adm.prefix, policy)
-        self._grow(table, len(lead_tokens) - table.num_tokens)
+        grow(table, self.pool, len(lead_tokens) - table.num_tokens)
         for seq_id, tokens, m in zip(seq_ids[1:], token_lists[1:], adm.shared_blocks[1:], strict=True):
             self.fork(lead, seq_id, num_blocks=m)
-            self._grow(self._tables[seq_id], len(tokens) - m * self.block_size)
+            grow(self._tables[seq_id], self.pool, len(tokens) - m * self.block_size)
 
     def num_blocks_needed(self, seq_id: SeqId, num_new_tokens: int) -> int:
         """Blocks `allocate_slots(seq_id, num_new_tokens)` would take, copy-on-write included."""
@@ -268,14 +260,14 @@ class KVCacheManager:
             plan = self.budget.plan([covered + num_new_tokens], [0], prefix, hits, keep_watermark=False)  # type: ignore[arg-type]
             if plan.status is not AdmissionStatus.NOW:
                 return None
-            return self._grow(self._start(seq_id, prefix, policy), num_new_tokens)
+            return grow(self._start(seq_id, prefix, policy), self.pool, num_new_tokens)
         if prefix is not None:
             raise ValueError(f"sequence {seq_id!r} exists already; a prefix only starts one")
         if table.on_cpu:
             raise RuntimeError(f"sequence {seq_id!r} is swapped out; swap it in first")
         if not self.budget.fits(self.budget.growth_blocks([(table, num_new_tokens)]), keep_watermark=False):
             return None
-        return self._grow(table, num_new_tokens)
+        return grow(table, self.pool, num_new_tokens)
 
     def evict(self, seq_id: SeqId, num_computed: int, mass: Sequence[float] | None = None) -> int:
         """After a step that left `num_computed` of the sequence's tokens in the cache: release the
@@ -292,9 +284,6 @@ class KVCacheManager:
         table = self._tables[seq_id] = self.prefix.take(prefix)
         self.eviction.open(seq_id, policy or NO_EVICTION)
         return table
-
-    def _grow(self, table: BlockTable, num_new_tokens: int) -> SlotAllocation:
-        return grow(table, self.pool, num_new_tokens)
 
     # ------------------------------------------------------------------ lifetime
     def fork(self, parent_id: SeqId, child_id: SeqId, num_blocks: int | None = None) -> None:

@@ -14,13 +14,14 @@ covers a decode (1 token), a prompt chunk (chunked prefill) and a recompute afte
        the waiting queue). A request of independent parallel samples gives up one sample at a time
        (its last: "parked", swapped or freed) while more than one runs. A request that runs out of
        blocks with nothing else left to preempt can never go on: it fails alone.
-    2-3. (scheduler_intake.py) swapped requests, oldest first, if nothing was preempted this step: swapped back in; then
+    2. swapped requests, oldest first, if nothing was preempted this step: swapped back in; then
        parked samples, oldest request first: swapped back in, or admitted again (their prompt
        blocks are hits while a sibling holds them).
     3. waiting requests, first come first served, if nothing is swapped out or parked: admitted while the
        budget, `max_num_seqs` and the block watermark allow (`KVCacheManager.check_admission`
        decides, for all of a request's sequences at once). A request that could never fit fails
        alone and the queue goes on.
+    (2 and 3 live in scheduler_intake.py.)
 
 Blocks a step will fill are registered in the prefix cache as it is scheduled, so a request
 admitted later in the same step shares them (the model writes each layer's K/V before attending).
