@@ -18,13 +18,17 @@ from kvpage.core.block import Block
 from kvpage.core.block_pool import BlockPool
 from kvpage.core.cache_key import CacheKey
 from kvpage.core.invariants import check
+from kvpage.core.kv_events import CPU, KVEventLog
 from kvpage.core.prefix_cache import PrefixCache
 
 
 class CpuTier:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, events: KVEventLog | None = None) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size, PrefixCache())
+        self.events = events
+        if events is not None:  # the oldest copy makes room: announced gone from the "cpu" medium
+            self.pool.on_evict = lambda block: events.removed(block.cache_key, CPU)  # type: ignore[arg-type]
         self._offloads: list[tuple[int, int]] = []  # (GPU block, tier block) copies for the step
         self._restores: list[tuple[int, int]] = []  # (tier block, GPU block)
         self._pinned: list[Block] = []  # tier blocks read by the step
@@ -55,6 +59,8 @@ class CpuTier:
         self.pool.prefix_cache.register(tb, key)  # type: ignore[union-attr]
         self.pool.decref(tb)  # free and registered: hittable until the tier hands it out again
         self._offloads.append((block.block_id, tb.block_id))
+        if self.events is not None:
+            self.events.stored(key, CPU)
 
     def restore(
         self, hits: dict[int, int], gpu: BlockPool, register: Callable[[Block, CacheKey], None]

@@ -74,6 +74,7 @@ class KVCacheManager:
         self.cpu_pool, self.has_swap_space = self.swap.pool, self.swap.enabled
         self.tier = self.prefix.tier_pool  # the CPU tier's own pool, or None
         self.watermark_blocks = self.budget.watermark_blocks
+        self.events = self.prefix.events  # KV events (kv_events.py): what this cache holds, as it changes
 
     # ------------------------------------------------------------------ views (tests, tools, stats)
     @property

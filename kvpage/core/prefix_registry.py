@@ -22,6 +22,7 @@ from kvpage.core.block_table import BlockTable
 from kvpage.core.cache_key import CacheKey, extra_keys_for, hash_block
 from kvpage.core.cpu_tier import CpuTier
 from kvpage.core.invariants import check
+from kvpage.core.kv_events import GPU, KVEventLog
 from kvpage.core.prefix_cache import PrefixCache
 
 
@@ -42,10 +43,12 @@ class PrefixRegistry:
         self.pool = pool
         self.cache: PrefixCache | None = pool.prefix_cache  # None: prefix caching is off
         self.block_size = block_size
-        self.tier = CpuTier(num_tier_blocks, block_size) if self.cache is not None and num_tier_blocks else None
+        self.events = KVEventLog(block_size)  # what this cache holds, announced as it changes (kv_events.py)
+        self.tier = (
+            CpuTier(num_tier_blocks, block_size, self.events) if self.cache is not None and num_tier_blocks else None
+        )
         self._uncommitted: list[Block] = []  # registered by the step being run
-        if self.tier is not None:
-            pool.on_evict = self._offload
+        pool.on_evict = self._on_evict
 
     @property
     def enabled(self) -> bool:
@@ -137,10 +140,14 @@ class PrefixRegistry:
             self._uncommitted.append(block)
 
     def commit(self) -> None:
-        """The scheduled step ran: every block registered for it now holds its KV."""
+        """The scheduled step ran: every block registered for it now holds its KV (announced stored)."""
+        for block in self._uncommitted:
+            if block.cache_key is not None:
+                self.events.stored(block.cache_key, GPU)
         self._uncommitted.clear()
         if self.tier is not None:
             self.tier.unpin()
+        self.events.publish()
 
     def discard(self, tables: Iterable[BlockTable]) -> None:
         """The scheduled step failed: forget the blocks registered for it (their KV was never
@@ -157,17 +164,22 @@ class PrefixRegistry:
                     break
                 table.num_registered -= 1
         self._uncommitted.clear()
+        self.events.publish()  # (evictions the failed step made are real)
 
-    def _offload(self, block: Block) -> None:
-        """`block` is about to be reused: a copy for the tier, if a committed step wrote its KV."""
-        if block not in self._uncommitted:
-            self.tier.offload(block)  # type: ignore[union-attr]
+    def _on_evict(self, block: Block) -> None:
+        """`block` (registered) is about to be reused: announce it gone, and keep a copy in the tier
+        if a committed step wrote its KV."""
+        self.events.removed(block.cache_key, GPU)  # type: ignore[arg-type]
+        if self.tier is not None and block not in self._uncommitted:
+            self.tier.offload(block)
 
     def reset(self) -> bool:
         """Forget every registration (GPU pool and tier); only when no block is in use."""
-        if not self.pool.reset_prefix_cache():
+        if not self.pool.reset_prefix_cache() or (self.tier is not None and not self.tier.reset()):
             return False
-        return self.tier is None or self.tier.reset()
+        self.events.cleared()
+        self.events.publish()
+        return True
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
@@ -182,5 +194,9 @@ class PrefixRegistry:
             check(registered == len(self.cache), "a block carries a key the map does not hold")
         if self.tier is not None:
             self.tier.check_invariants()
+        uncommitted = {id(b) for b in self._uncommitted}
+        gpu = {d for d, b in self.cache.items() if id(b) not in uncommitted} if self.cache is not None else set()
+        cpu = {d for d, _ in self.tier.pool.prefix_cache.items()} if self.tier is not None else set()  # type: ignore[union-attr]
+        self.events.check_invariants(gpu, cpu)
         check(all(b.cache_key is not None and b.ref_count > 0 for b in self._uncommitted),
               "an uncommitted registration was evicted or freed before its step ended")  # fmt: skip

@@ -23,6 +23,7 @@ import torch
 
 from kvpage.config import EngineConfig
 from kvpage.core import CacheStats
+from kvpage.core.kv_events import KVEventLog
 from kvpage.core.request import Request, Sequence
 from kvpage.core.scheduler_output import SchedulerOutput
 from kvpage.core.step_update import RequestUpdate, SeqUpdate, StepResult
@@ -176,6 +177,11 @@ class LLMEngine:
 
     def cache_stats(self) -> CacheStats:
         return self.kv_manager.stats()
+
+    @property
+    def kv_events(self) -> KVEventLog:
+        """What the KV cache stored and removed, numbered per step (core/kv_events.py); any thread reads it."""
+        return self.kv_manager.events
 
     def _stats(self) -> EngineStats:
         sched = self.scheduler

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible app: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics.
+"""The OpenAI-compatible app: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics,
+and /v1/kv_events (+ /snapshot): the blocks this replica's KV cache holds, as vLLM-style events.
 
 Every request of every client goes to one AsyncEngine, which batches them together; the endpoint
 families live in serving_completions.py and serving_chat.py. Errors use OpenAI's body (errors.py),
@@ -10,8 +11,9 @@ bounds in size and time (body_limit.py), then FastAPI. serve.py runs it (signals
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -88,6 +90,22 @@ def build_app(
     async def models():
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
                                             "owned_by": "kvpage", "max_model_len": engine.max_model_len}]}  # fmt: skip
+
+    @app.get("/v1/kv_events")
+    async def kv_events(since: int = Query(0, ge=0, description="the last batch seen; 0: from the start")):
+        """The KV events after batch `since` (kvpage/core/kv_events.py): what this replica's cache
+        stored and removed, in vLLM's shape. `gap`: batches were dropped since then; resynchronise
+        from /v1/kv_events/snapshot."""
+        log = engine.kv_events
+        batches, gap = log.since(since)
+        return {"seq": batches[-1].seq if batches else max(since, log.seq), "gap": gap, "block_size": log.block_size,
+                "batches": [{"seq": b.seq, "events": [asdict(e) for e in b.events]} for b in batches]}  # fmt: skip
+
+    @app.get("/v1/kv_events/snapshot")
+    async def kv_events_snapshot():
+        """Every block this replica's cache holds, as BlockStored events, as of batch `seq`."""
+        seq, held = engine.kv_events.snapshot()
+        return {"seq": seq, "block_size": engine.kv_events.block_size, "blocks": [asdict(e) for e in held]}
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request):
