@@ -40,4 +40,5 @@ class RequestOutput:
     finished: bool
     error: str | None = None  # set when the request failed alone (e.g. it can never fit)
     rejected: bool = False  # the error is the request's own: it can never run here (a 400, not a 500)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's; OpenAI's cached_tokens)
     metrics: dict = field(default_factory=dict)

@@ -73,6 +73,7 @@ class Request:
     num_preemptions: int = 0
     error: str | None = None  # why it failed alone (e.g. it can never fit in the cache)
     rejected: bool = False  # it failed because it can never run here (the request's fault, not a step's)
+    num_cached_tokens: int | None = None  # prompt tokens its first admission found in the prefix cache
     eviction: EvictionPolicy = NO_EVICTION  # StreamingLLM / H2O: blocks released as it grows (core/eviction/)
 
     @property

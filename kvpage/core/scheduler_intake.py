@@ -123,6 +123,8 @@ class Intake:
             self.kv.admit([s.key for s in seqs], tokens, adm, req.eviction)
             lead = seqs[0]
             lead.num_computed = adm.prefix.num_tokens if adm.prefix else 0
+            if req.num_cached_tokens is None:  # (what usage.prompt_tokens_details.cached_tokens reports)
+                req.num_cached_tokens = lead.num_computed
             for s, m in zip(seqs[1:], adm.shared_blocks[1:], strict=True):
                 s.num_computed = m * bs
                 s.depends_on = (lead.index, m * bs) if m * bs > lead.num_computed else None

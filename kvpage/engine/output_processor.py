@@ -162,6 +162,7 @@ class OutputProcessor:
             finished=req.finished or req.error is not None,
             error=req.error,
             rejected=req.rejected,
+            num_cached_tokens=req.num_cached_tokens or 0,
             metrics=metrics,
         )
 

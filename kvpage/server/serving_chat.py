@@ -76,7 +76,8 @@ class _Run:
             choices.append(choice)
         body = {"id": self.rid, "object": "chat.completion", "created": int(time.time()),
                 "model": self.s.served_model_name, "choices": choices,
-                "usage": usage(len(self.ids), sum(len(c.token_ids) for c in out.outputs))}  # fmt: skip
+                "usage": usage(len(self.ids), sum(len(c.token_ids) for c in out.outputs),
+                               out.num_cached_tokens)}  # fmt: skip
         return self._extras(body, out)
 
     def _chunk(self, choices: list[dict]) -> dict:
@@ -87,8 +88,9 @@ class _Run:
         req = self.req
         sent: dict[int, tuple[int, int]] = {}
         done: set[int] = set()
-        completion_tokens = 0
+        completion_tokens = cached = 0
         async for _, out in outputs:
+            cached = out.num_cached_tokens
             if req.use_beam_search and not out.finished:
                 continue  # beams are only final once the search ends
             for c in out.outputs:
@@ -122,5 +124,5 @@ class _Run:
                     yield self._chunk([choice])
         if req.stream_options and req.stream_options.include_usage:
             body = self._chunk([])
-            body["usage"] = usage(len(self.ids), completion_tokens)
+            body["usage"] = usage(len(self.ids), completion_tokens, cached)
             yield body

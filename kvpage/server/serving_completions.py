@@ -113,9 +113,8 @@ class _Run:
                 prefix = self.texts[i] if req.echo else ""
                 choices.append(self._choice(i, out, c, text=prefix + c.text, start=0, offset=0, echo=req.echo))
         body = self._body(choices)
-        body["usage"] = usage(
-            sum(len(t) for t in self.token_lists), sum(len(c.token_ids) for o in outs for c in o.outputs)
-        )
+        generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        body["usage"] = usage(sum(len(t) for t in self.token_lists), generated, sum(o.num_cached_tokens for o in outs))
         return body
 
     async def stream(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[dict]:
@@ -124,7 +123,9 @@ class _Run:
         offsets: dict[int, int] = {}  # choice index -> text offset of its next token
         done: set[int] = set()
         completion_tokens = 0
+        cached: dict[int, int] = {}  # prompt index -> its cached prompt tokens
         async for i, out in outputs:
+            cached[i] = out.num_cached_tokens
             beam = req.use_beam_search
             if beam and not out.finished:
                 continue  # beams are only final once the search ends
@@ -152,7 +153,7 @@ class _Run:
                 yield self._body([choice])
         if req.stream_options and req.stream_options.include_usage:
             body = self._body([])
-            body["usage"] = usage(sum(len(t) for t in self.token_lists), completion_tokens)
+            body["usage"] = usage(sum(len(t) for t in self.token_lists), completion_tokens, sum(cached.values()))
             yield body
 
 

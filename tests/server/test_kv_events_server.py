@@ -45,3 +45,25 @@ def test_a_router_reads_the_blocks_a_prompt_left_and_resumes_where_it_stopped(se
     bad = httpx.get(f"{server.url}/v1/kv_events", params={"since": -1}, timeout=30)
     assert bad.status_code == 400 and "since" in bad.text
     assert_pool_free(server)
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(server):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens, read with the official client: 0 for a
+    prompt never seen, its full blocks (never its last token) the second time, streaming or not."""
+    client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+    bs = server.engine.kv_events.block_size
+    prompt = list(range(7000, 7000 + 3 * bs + 1))  # the last token is never served from cache: 3 blocks hit
+    cold = client.completions.create(model="smollm2", prompt=prompt, max_tokens=2, temperature=0)
+    warm = client.completions.create(model="smollm2", prompt=prompt, max_tokens=2, temperature=0)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.usage.prompt_tokens_details.cached_tokens == 3 * bs and warm.usage.prompt_tokens == len(prompt)
+    stream = client.completions.create(model="smollm2", prompt=[prompt, prompt[:-1] + [9999]], max_tokens=2,
+                                       temperature=0, stream=True, stream_options={"include_usage": True})  # fmt: skip
+    last = [chunk for chunk in stream][-1]
+    assert last.usage.prompt_tokens_details.cached_tokens == 2 * 3 * bs  # both prompts share those blocks
+    system = "You are the terse help desk of a library. " * 6
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "When do you open?"}]
+    client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0)
+    chat = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, temperature=0)
+    assert chat.usage.prompt_tokens_details.cached_tokens == (chat.usage.prompt_tokens - 1) // bs * bs > 0
+    assert_pool_free(server)

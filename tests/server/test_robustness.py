@@ -163,7 +163,7 @@ def test_a_scrape_under_load_sees_one_steps_state():
     queues while a step changes them: every scrape is self-consistent, and its counters never go back."""
     import threading
 
-    s = start_server(num_kv_blocks=40, max_model_len=320, max_num_seqs=8)  # tight: preemptions happen
+    s = start_server(num_kv_blocks=24, max_model_len=320, max_num_seqs=8)  # tight: 5 sequences need more
     try:
         client = openai.OpenAI(base_url=s.base_url, api_key="x", max_retries=0)
         done = threading.Event()
@@ -174,7 +174,7 @@ def test_a_scrape_under_load_sees_one_steps_state():
                 scrapes.append(scrape(s))
 
         def one(i: int):
-            client.completions.create(model="smollm2", prompt=f"Story {i}: once upon a time", max_tokens=48, n=2,
+            client.completions.create(model="smollm2", prompt=f"Story {i}: once upon a time", max_tokens=64, n=2,
                                       temperature=1.0, seed=i, extra_body={"ignore_eos": True})  # fmt: skip
 
         t = threading.Thread(target=scraper)
