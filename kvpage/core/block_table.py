@@ -49,9 +49,6 @@ class BlockTable:
     def num_holes(self) -> int:
         return self.block_ids.count(HOLE)
 
-    def num_full(self, block_size: int) -> int:
-        return self.num_tokens // block_size
-
     def slot_mapping(self, block_size: int, start: int, end: int) -> list[int]:
         """Physical slots of tokens [start, end)."""
         if not 0 <= start <= end <= self.num_tokens:

@@ -133,10 +133,6 @@ class Sampler:
         """The request ended: its generators go."""
         self._generators.pop(request_id, None)
 
-    @property
-    def num_requests(self) -> int:
-        return len(self._generators)
-
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
     """One token per row. `logits` is [num_logits_rows, vocab] float32."""
