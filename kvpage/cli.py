@@ -46,15 +46,9 @@ def _argparse_type(parse):
 
 
 def _make_llm(args: argparse.Namespace):
-    from dataclasses import fields
-
     from kvpage import LLM
-    from kvpage.config import EngineConfig
 
-    kw = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if "help" in f.metadata}
-    if kw["num_kv_blocks"] is not None:
-        kw.pop("kv_cache_memory")  # the pool is sized in blocks
-    llm = LLM(**kw)
+    llm = LLM(**_engine_kwargs(args))
     cfg = llm.llm_engine.config
     if cfg.block_size_advice is not None:
         a = cfg.block_size_advice
@@ -167,6 +161,46 @@ def _chat(args) -> int:
         history.append({"role": "assistant", "content": text})
 
 
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    from dataclasses import fields
+
+    from kvpage.config import EngineConfig
+
+    kw = {f.name: getattr(args, f.name) for f in fields(EngineConfig) if "help" in f.metadata}
+    if kw["num_kv_blocks"] is not None:
+        kw.pop("kv_cache_memory")  # the pool is sized in blocks
+    return kw
+
+
+def _serve_fleet(args, keys: list[str]) -> int:
+    """`kvpage serve --replicas N`: N engines on Ray Serve behind --router (kvpage/fleet/ray_app.py)."""
+    import signal
+    import threading
+
+    from kvpage.fleet.ray_app import Fleet, FleetSpec
+
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    app_kwargs = dict(served_model_name=args.served_model_name or args.model, api_key=keys or None,
+                      max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+                      max_prompts_per_request=args.max_prompts_per_request,
+                      salt_cache_per_key=args.salt_cache_per_key)  # fmt: skip
+    spec = FleetSpec(_engine_kwargs(args), args.replicas, args.router, args.host, args.port,
+                     events=not args.no_kv_events, app_kwargs=app_kwargs)  # fmt: skip
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    fleet = Fleet(spec, ray_address=args.ray_address)
+    try:
+        where = args.ray_address or "a local Ray cluster"
+        print(f"kvpage serve: {args.model} x {args.replicas} replicas on {where}, router {args.router}, "
+              f"on http://{args.host}:{args.port}", flush=True)  # fmt: skip
+        stop.wait()
+    finally:
+        fleet.stop()
+    return 0
+
+
 def _serve(args) -> int:
     from kvpage.server.app import build_app
     from kvpage.server.serve import serve
@@ -181,6 +215,8 @@ def _serve(args) -> int:
         raise ValueError("--salt-cache-per-key needs --api-key: without keys every client is the same tenant")
     if args.max_prompts_per_request < 1:
         raise ValueError("--max-prompts-per-request must be at least 1")
+    if args.replicas is not None:
+        return _serve_fleet(args, keys)
     llm = _in_passing_thread(lambda: _make_llm(args))
     app = build_app(llm.llm_engine, served_model_name=args.served_model_name or args.model, api_key=keys or None,
                     max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
@@ -351,6 +387,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompts-per-request", type=int, default=256,
                    help="most prompts in one /v1/completions request (default 256)")  # fmt: skip
     p.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    g = p.add_argument_group("fleet (Ray Serve)")
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve from N engine replicas on Ray Serve (a local Ray cluster, unless --ray-address)",
+    )
+    g.add_argument("--router", default="kv", choices=["kv", "round_robin", "pow2", "ray_prefix"],
+                   help="how the fleet routes: kv (by the blocks each replica holds, from its KV events; the "
+                   "default), round_robin, pow2 (Ray Serve's default) or ray_prefix (Ray Serve LLM's "
+                   "PrefixCacheAffinityRouter)")  # fmt: skip
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="join this Ray cluster (e.g. auto, or HOST:6379) instead of starting one",
+    )
+    g.add_argument(
+        "--no-kv-events",
+        action="store_true",
+        help="replicas publish no KV events (the kv router then trusts none and falls back)",
+    )
     _engine_args(p)
     p.set_defaults(func=_serve)
 

@@ -95,3 +95,13 @@ def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor
 @pytest.fixture(scope="session")
 def hf_f32_greedy(hf_f32, prompts):
     return [hf_greedy(hf_f32, p, 32) for p in prompts]  # 32 tokens: the oracle is ~0.1 s a token
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One live kvpage server (tests/server/conftest.py), shared by the server and fleet tests."""
+    from tests.server.conftest import start_server, stop_server
+
+    s = start_server()
+    yield s
+    stop_server(s)

@@ -33,6 +33,14 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: Extra
     return h.digest()
 
 
+def block_digests(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None):
+    """The chain digests of `token_ids`' full blocks, in order (lazily: a lookup may stop early)."""
+    parent = None
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys_for(i, cache_salt))
+        yield parent
+
+
 def extra_keys_for(block_index: int, cache_salt: str | None) -> ExtraKeys:
     """The salt enters the first block only; the chain carries it into every later block."""
     if block_index == 0 and cache_salt is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpage.core.request import Request
+from kvpage.errors import ParameterError
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,15 @@ class StepLimits:
             if width > limit:
                 return name, limit
         return None
+
+    def check_width(self, name: str, width: int) -> None:
+        """ParameterError (naming `name`) unless `width` sequences of one request can run in the same step."""
+        broken = self.width_limit(width)
+        if broken is not None:
+            limit_name, limit = broken
+            raise ParameterError(
+                name, f"{name}={width}: its {width} sequences run in the same step, but {limit_name}={limit}"
+            )
 
     def unschedulable(self, req: Request) -> str | None:
         """Why `req` can never be scheduled (too long, too wide), or None."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from kvpage.core.block import Block
 from kvpage.core.block_pool import BlockPool
 from kvpage.core.block_table import BlockTable
-from kvpage.core.cache_key import CacheKey, extra_keys_for, hash_block
+from kvpage.core.cache_key import CacheKey, block_digests, extra_keys_for, hash_block
 from kvpage.core.cpu_tier import CpuTier
 from kvpage.core.invariants import check
 from kvpage.core.kv_events import GPU, KVEventLog
@@ -69,10 +69,10 @@ class PrefixRegistry:
         prefix = CachedPrefix([], [], 0, len(token_ids), cache_salt)
         if self.cache is None:
             return prefix
-        bs, parent = self.block_size, None
-        for i in range((len(token_ids) - 1) // bs):
+        bs = self.block_size
+        servable = token_ids[: max(0, len(token_ids) - 1) // bs * bs]  # the same digests a fleet router computes
+        for i, digest in enumerate(block_digests(servable, bs, cache_salt)):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
-            digest = hash_block(parent, chunk, extra_keys_for(i, cache_salt))
             block = self.cache.lookup(digest, chunk)
             if block is None:
                 tier_block = self.tier.lookup(digest, chunk) if self.tier is not None else None
@@ -81,7 +81,6 @@ class PrefixRegistry:
                 prefix.tier_block_ids[i] = tier_block
             prefix.block_ids.append(block.block_id if block is not None else None)
             prefix.block_hashes.append(digest)
-            parent = digest
         prefix.num_tokens = len(prefix.block_ids) * bs
         return prefix
 

@@ -114,6 +114,21 @@ class Scheduler(Intake):
     def has_unfinished(self) -> bool:
         return bool(self.requests or self._failed)
 
+    def num_backlog_tokens(self) -> int:
+        """Prompt tokens of the unfinished requests still to compute: the uncomputed part of those
+        admitted, and of those waiting what the prefix cache would not serve them now (a replica's
+        queue, as a fleet router weighs it against the blocks a request would find cached)."""
+        total = 0
+        for req in self.requests.values():
+            if req.sequences:
+                total += max(0, len(req.prompt_token_ids) - req.sequences[0].num_computed)
+            elif req.use_prefix_cache:
+                total += len(req.prompt_token_ids) - self.kv.find_cached_prefix(req.prompt_token_ids,
+                                                                                req.cache_salt).num_tokens  # fmt: skip
+            else:
+                total += len(req.prompt_token_ids)
+        return total
+
     def num_running_seqs(self) -> int:
         return sum(len(r.resident_sequences) for r in self.running)
 

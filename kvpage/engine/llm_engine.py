@@ -32,7 +32,6 @@ from kvpage.engine.builder import build_engine
 from kvpage.engine.engine_stats import EngineStats
 from kvpage.engine.kv_verifier import KVVerifyReport, verify_kv_cache
 from kvpage.engine.output_processor import OutputProcessor, RequestState
-from kvpage.errors import ParameterError
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams, parse_kv_eviction
 from kvpage.worker.model_runner import ModelRunnerOutput
@@ -150,12 +149,7 @@ class LLMEngine:
 
     def check_width(self, name: str, width: int) -> None:
         """ParameterError (naming `name`) unless `width` sequences of one request can run in the same step."""
-        broken = self.scheduler.limits.width_limit(width)
-        if broken is not None:
-            limit_name, limit = broken
-            raise ParameterError(
-                name, f"{name}={width}: its {width} sequences run in the same step, but {limit_name}={limit}"
-            )
+        self.scheduler.limits.check_width(name, width)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks go back to the pool. Unknown ids are ignored."""

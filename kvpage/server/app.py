@@ -10,12 +10,13 @@ bounds in size and time (body_limit.py), then FastAPI. serve.py runs it (signals
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import asdict
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvpage.engine.llm_engine import LLMEngine
 from kvpage.server.async_engine import AsyncEngine
@@ -32,8 +33,10 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for an answer nobody was left to r
 
 
 def build_app(
-    engine: LLMEngine,
+    engine: LLMEngine | None = None,
     *,
+    client=None,
+    metrics=None,
     served_model_name: str = "smollm2",
     api_key: str | list[str] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -41,15 +44,22 @@ def build_app(
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
     salt_cache_per_key: bool = False,
 ):
-    """The ASGI app. `api_key`: one key or several (each client uses one); None: no authentication.
-    `app.state.async_engine` (on the FastAPI app, `.fastapi` of what is returned) is the engine loop."""
+    """The ASGI app over one LLMEngine in this process, or over another engine client (engine_client.py:
+    a fleet's, with its own `metrics`: an object whose `render()` gives /metrics' body, awaitable or
+    not). `api_key`: one key or several (each client uses one); None: no authentication.
+    `app.state.async_engine` (on the FastAPI app, `.fastapi` of what is returned) is the engine client."""
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if api_key is not None and (not keys or any(not k for k in keys)):
         raise ValueError("an API key must not be empty (leave it unset to serve without authentication)")
     if salt_cache_per_key and not keys:
         raise ValueError("salt_cache_per_key needs API keys: without them every client is the same tenant")
-    metrics = Metrics(engine, served_model_name)
-    aengine = AsyncEngine(engine, on_output=metrics.observe, on_abort=metrics.aborted)
+    if (engine is None) == (client is None):
+        raise ValueError("build_app takes an engine or a client, not both")
+    if engine is not None:
+        metrics = Metrics(engine, served_model_name)
+        aengine = AsyncEngine(engine, on_output=metrics.observe, on_abort=metrics.aborted)
+    else:
+        aengine = client
     serving = dict(max_prompts_per_request=max_prompts_per_request, salt_cache_per_key=salt_cache_per_key)
     completions = CompletionServing(aengine, served_model_name, **serving)
     chat = ChatServing(aengine, served_model_name, **serving)
@@ -84,28 +94,17 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        body = metrics.render()
+        return Response(await body if inspect.isawaitable(body) else body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
-                                            "owned_by": "kvpage", "max_model_len": engine.max_model_len}]}  # fmt: skip
+        card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "kvpage",
+                "max_model_len": aengine.engine.max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
 
-    @app.get("/v1/kv_events")
-    async def kv_events(since: int = Query(0, ge=0, description="the last batch seen; 0: from the start")):
-        """The KV events after batch `since` (kvpage/core/kv_events.py): what this replica's cache
-        stored and removed, in vLLM's shape. `gap`: batches were dropped since then; resynchronise
-        from /v1/kv_events/snapshot."""
-        log = engine.kv_events
-        batches, gap = log.since(since)
-        return {"seq": batches[-1].seq if batches else max(since, log.seq), "gap": gap, "block_size": log.block_size,
-                "batches": [{"seq": b.seq, "events": [asdict(e) for e in b.events]} for b in batches]}  # fmt: skip
-
-    @app.get("/v1/kv_events/snapshot")
-    async def kv_events_snapshot():
-        """Every block this replica's cache holds, as BlockStored events, as of batch `seq`."""
-        seq, held = engine.kv_events.snapshot()
-        return {"seq": seq, "block_size": engine.kv_events.block_size, "blocks": [asdict(e) for e in held]}
+    if engine is not None:
+        _kv_event_routes(app, engine)
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request):
@@ -121,6 +120,24 @@ def build_app(
     asgi = _EchoRequestId(asgi)
     asgi.fastapi = app  # type: ignore[attr-defined]
     return asgi
+
+
+def _kv_event_routes(app: FastAPI, engine: LLMEngine) -> None:
+    @app.get("/v1/kv_events")
+    async def kv_events(since: int = Query(0, ge=0, description="the last batch seen; 0: from the start")):
+        """The KV events after batch `since` (kvpage/core/kv_events.py): what this replica's cache
+        stored and removed, in vLLM's shape. `gap`: batches were dropped since then; resynchronise
+        from /v1/kv_events/snapshot."""
+        log = engine.kv_events
+        batches, gap = log.since(since)
+        return {"seq": batches[-1].seq if batches else max(since, log.seq), "gap": gap, "block_size": log.block_size,
+                "batches": [{"seq": b.seq, "events": [asdict(e) for e in b.events]} for b in batches]}  # fmt: skip
+
+    @app.get("/v1/kv_events/snapshot")
+    async def kv_events_snapshot():
+        """Every block this replica's cache holds, as BlockStored events, as of batch `seq`."""
+        seq, held = engine.kv_events.snapshot()
+        return {"seq": seq, "block_size": engine.kv_events.block_size, "blocks": [asdict(e) for e in held]}
 
 
 class _EchoRequestId:

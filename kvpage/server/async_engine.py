@@ -44,6 +44,7 @@ class AsyncEngine:
         self.on_output = on_output  # called in the engine thread for every output (metrics)
         self.on_abort = on_abort  # called in the engine thread with the id of every aborted request
         self.on_death = None  # called in the engine thread if it dies
+        self.between_steps = None  # called in the engine thread after every step, and when idle (~2/s)
         self.closing = False
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -138,11 +139,13 @@ class AsyncEngine:
                 if not engine.has_unfinished_requests():
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
-                    continue
-                for out in engine.step():
-                    if self.on_output is not None:
-                        self.on_output(out)
-                    self._deliver(out.request_id, out)
+                else:
+                    for out in engine.step():
+                        if self.on_output is not None:
+                            self.on_output(out)
+                        self._deliver(out.request_id, out)
+                if self.between_steps is not None:
+                    self.between_steps()
         except BaseException as e:  # noqa: BLE001 - report to every waiting client, then stop
             self.error = e
             for rid in list(self._streams):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvpage.engine.llm_engine import LLMEngine
@@ -119,6 +119,10 @@ class Metrics:
         self._arrival: dict[str, float] = {}  # requests seen and not yet ended, by id: their arrival time
         self._first_seen: set[str] = set()
         self._lock = threading.Lock()
+
+    def render(self) -> bytes:
+        """The Prometheus text of every metric."""
+        return generate_latest(self.registry)
 
     def observe(self, out: RequestOutput) -> None:
         m, rid = out.metrics, out.request_id

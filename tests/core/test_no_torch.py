@@ -13,7 +13,8 @@ class _NoTorch:
 sys.meta_path.insert(0, _NoTorch())
 import kvpage.core
 names = sorted(m.name for m in pkgutil.walk_packages(kvpage.core.__path__, "kvpage.core."))
-names += ["kvpage.core_demo", "kvpage.tools.scheduler_sim"]
+names += ["kvpage.core_demo", "kvpage.tools.scheduler_sim", "kvpage.fleet.index", "kvpage.fleet.routing",
+          "kvpage.tools.fleet_sim"]
 for name in names:
     try:
         importlib.import_module(name)

@@ -8,7 +8,6 @@ import time
 from types import SimpleNamespace
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpage.config import EngineConfig
@@ -56,13 +55,6 @@ def start_server(api_key: str | list[str] | None = None, app_kw: dict | None = N
 def stop_server(s) -> None:
     s.server.should_exit = True
     s.thread.join(timeout=30)
-
-
-@pytest.fixture(scope="session")
-def server():
-    s = start_server()
-    yield s
-    stop_server(s)
 
 
 def scrape(s, headers: dict | None = None) -> dict[str, float]:
