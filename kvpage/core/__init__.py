@@ -6,6 +6,8 @@
     prefix_cache      chain hash -> the block holding that content
     prefix_registry   lookups and registration with commit / discard
     cpu_tier          copies of evicted prefix blocks in CPU memory
+    remote_tier       the tier shared by replicas in a key-value server (Redis), its checked records
+    kv_events         what the cache holds, announced as it changes (vLLM's BlockStored / BlockRemoved)
     swap              the CPU pool preempted sequences move to
     eviction/         policies (StreamingLLM, H2O, none) and per-sequence windows
     admission         all block arithmetic: admit, grow, swap in, the watermark

@@ -6,7 +6,9 @@ the tier copies it into one of its own blocks under the same key. The tier is a 
 blocks all sit free and registered, so its LRU queue evicts the oldest copy. A lookup that misses in
 the GPU pool asks the tier (prefix_registry.py); a tier hit takes a fresh GPU block and a (tier, GPU)
 copy that the worker runs before the step, after the step's offloads. A tier block read this step is
-pinned (referenced) until the step ends, so no offload of the same step can overwrite it.
+pinned (referenced) until the step ends, so no offload of the same step can overwrite it. Blocks
+fetched from the shared tier (remote_tier.py) `land` here the same way: registered, pinned for the
+step, their bytes written by the worker after the step's offloads and before its restores.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class CpuTier:
             self.pool.on_evict = lambda block: events.removed(block.cache_key, CPU)  # type: ignore[arg-type]
         self._offloads: list[tuple[int, int]] = []  # (GPU block, tier block) copies for the step
         self._restores: list[tuple[int, int]] = []  # (tier block, GPU block)
+        self._imports: list[tuple[int, bytes]] = []  # (tier block, payload) fetched from the shared tier
         self._pinned: list[Block] = []  # tier blocks read by the step
         self.num_hit_tokens = 0
 
@@ -62,6 +65,20 @@ class CpuTier:
         if self.events is not None:
             self.events.stored(key, CPU)
 
+    def land(self, key: CacheKey, payload: bytes) -> int | None:
+        """A block fetched from the shared tier (remote_tier.py): a tier block registered under `key`,
+        pinned until the step ends (no offload of the step may reuse it before the worker writes
+        `payload` into it). None when every tier block is pinned."""
+        if not self.pool.num_free:
+            return None
+        (tb,) = self.pool.allocate(1)  # type: ignore[misc]  # the oldest copy makes room
+        self.pool.prefix_cache.register(tb, key)  # type: ignore[union-attr]
+        self._pinned.append(tb)
+        self._imports.append((tb.block_id, payload))
+        if self.events is not None:
+            self.events.stored(key, CPU)
+        return tb.block_id
+
     def restore(
         self, hits: dict[int, int], gpu: BlockPool, register: Callable[[Block, CacheKey], None]
     ) -> dict[int, int]:
@@ -81,10 +98,11 @@ class CpuTier:
         self.num_hit_tokens += len(tiered) * self.block_size
         return out
 
-    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The step's (GPU, tier) offload copies and (tier, GPU) restore copies, in that order."""
-        out = (self._offloads, self._restores)
-        self._offloads, self._restores = [], []
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, bytes]], list[tuple[int, int]]]:
+        """The step's (GPU, tier) offload copies, (tier, payload) landings and (tier, GPU) restore
+        copies, in that order."""
+        out = (self._offloads, self._imports, self._restores)
+        self._offloads, self._imports, self._restores = [], [], []
         return out
 
     def unpin(self) -> None:

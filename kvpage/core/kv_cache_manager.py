@@ -31,7 +31,8 @@ from kvpage.core.cache_stats import CacheStats, collect_stats
 from kvpage.core.eviction import NO_EVICTION, EvictionPolicy, EvictionWindows
 from kvpage.core.invariants import InvariantError, check_all
 from kvpage.core.prefix_cache import PrefixCache
-from kvpage.core.prefix_registry import CachedPrefix, PrefixRegistry
+from kvpage.core.prefix_registry import CachedPrefix, PrefixRegistry, TierTransfers
+from kvpage.core.remote_tier import RemoteTier
 from kvpage.core.swap import SwapSpace
 
 SeqId = Hashable  # opaque to the manager: the scheduler uses SeqKey(request_id, index)
@@ -60,12 +61,13 @@ class KVCacheManager:
         watermark: float = 0.01,
         bytes_per_block: int = 0,  # what one block costs (kv_bytes.py), for CacheStats; 0: not known
         num_tier_blocks: int = 0,  # the CPU tier of the prefix cache (prefix caching only)
+        remote: RemoteTier | None = None,  # the shared tier below it (its blocks land in the CPU tier)
     ) -> None:
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
         self.pool = BlockPool(num_blocks, block_size, PrefixCache() if enable_prefix_caching else None)
         self.budget = BlockBudget(self.pool, block_size, watermark)
-        self.prefix = PrefixRegistry(self.pool, block_size, num_tier_blocks)
+        self.prefix = PrefixRegistry(self.pool, block_size, num_tier_blocks, remote)
         self.swap = SwapSpace(num_cpu_blocks, self.pool)
         self.eviction = EvictionWindows(self.pool, block_size)
         self._tables: dict[SeqId, BlockTable] = {}
@@ -115,7 +117,8 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ prefix cache
     def find_cached_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> CachedPrefix:
-        return self.prefix.find(token_ids, cache_salt)
+        """What the local tiers hold of a prompt (no call to the shared tier: a cheap look)."""
+        return self.prefix.find(token_ids, cache_salt, remote=False)
 
     def cache_blocks(self, seq_id: SeqId, token_ids: Sequence[int], num_tokens: int) -> None:
         """The KV of the sequence's first `num_tokens` tokens (`token_ids[:num_tokens]`) is written,
@@ -136,8 +139,9 @@ class KVCacheManager:
         step's sequences."""
         self.prefix.discard(self._tables.values())
 
-    def take_tier_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The step's (pool, tier) offload copies and (tier, pool) restore copies, in that order."""
+    def take_tier_transfers(self) -> TierTransfers:
+        """The step's tier transfers: (pool, tier) offloads, (tier, payload) blocks fetched from the
+        shared tier, (tier, pool) restores, in that order, and the write-through after the step."""
         return self.prefix.take_transfers()
 
     def reset_prefix_cache(self) -> bool:

@@ -4,9 +4,10 @@
     BlockRemoved{block_hashes, medium}                                           it is about to be reused
     AllBlocksCleared{}                                                           reset_prefix_cache
 
-`medium` is "gpu" (the block pool) or "cpu" (the CPU tier). Digests are the core's SHA-256 chain hashes
-(cache_key.py) in hex: no per-process seed, so a router that hashes a prompt with the same code and
-the request's cache_salt finds exactly the blocks a replica holds.
+`medium` is "gpu" (the block pool), "cpu" (the CPU tier) or "remote" (written to the fleet's
+shared tier, remote_tier.py: announced stored once, never removed by a replica, not in a snapshot).
+Digests are the core's SHA-256 chain hashes (cache_key.py) in hex: no per-process seed, so a router
+that hashes a prompt with the same code and the request's cache_salt finds exactly the blocks a replica holds.
 
 A block is announced stored only once the step that writes its KV has run (`PrefixRegistry.commit`):
 a registration that `discard` drops is never announced, and neither is its eviction. Removals come
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from kvpage.core.cache_key import CacheKey
 from kvpage.core.invariants import check
 
-GPU, CPU = "gpu", "cpu"
+GPU, CPU, REMOTE = "gpu", "cpu", "remote"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,10 @@ class KVEventLog:
         if digest not in self._now[medium]:
             self._now[medium][digest] = key
             self._pending.append(self._stored(key, medium))
+
+    def stored_remote(self, key: CacheKey) -> None:
+        """This replica wrote `key`'s block to the shared tier."""
+        self._pending.append(self._stored(key, REMOTE))
 
     def removed(self, key: CacheKey, medium: str) -> None:
         """`key`'s block leaves `medium` (only announced blocks are announced gone)."""

@@ -7,8 +7,10 @@ list until `commit()`; if the step fails, `discard()` forgets them so no one can
 KV was never written (and no copy of it goes to the CPU tier).
 
 `find` looks a prompt's leading full blocks up in the GPU pool's map, then in the CPU tier
-(cpu_tier.py); `take` gives a new block table its hits: references to the GPU ones, restored copies
-of the tier ones. With prefix caching off every lookup misses and nothing is registered.
+(cpu_tier.py), then in the shared tier (remote_tier.py), whose blocks land in the CPU tier; `take`
+gives a new block table its hits: references to the GPU ones, restored copies of the tier ones. With
+prefix caching off every lookup misses and nothing is registered. Blocks a step registers go to the
+shared tier after that step's forward (`take_transfers`' write-through list), announced at commit.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kvpage.core.cpu_tier import CpuTier
 from kvpage.core.invariants import check
 from kvpage.core.kv_events import GPU, KVEventLog
 from kvpage.core.prefix_cache import PrefixCache
+from kvpage.core.remote_tier import RemoteTier
 
 
 @dataclass(slots=True)
@@ -38,8 +41,20 @@ class CachedPrefix:
     tier_block_ids: dict[int, int] = field(default_factory=dict)  # index -> tier block
 
 
+@dataclass(slots=True)
+class TierTransfers:
+    """What the worker moves for the prefix cache's tiers before (and, write-through, after) a step."""
+
+    offload: list[tuple[int, int]] = field(default_factory=list)  # (GPU, CPU tier) copies of evicted blocks
+    fetched: list[tuple[int, bytes]] = field(default_factory=list)  # (CPU tier, payload) from the shared tier
+    restore: list[tuple[int, int]] = field(default_factory=list)  # (CPU tier, GPU) copies of tier hits
+    write_through: list[tuple[int, bytes, tuple[int, ...]]] = field(default_factory=list)  # (GPU, digest, tokens)
+
+
 class PrefixRegistry:
-    def __init__(self, pool: BlockPool, block_size: int, num_tier_blocks: int = 0) -> None:
+    def __init__(
+        self, pool: BlockPool, block_size: int, num_tier_blocks: int = 0, remote: RemoteTier | None = None
+    ) -> None:
         self.pool = pool
         self.cache: PrefixCache | None = pool.prefix_cache  # None: prefix caching is off
         self.block_size = block_size
@@ -47,7 +62,9 @@ class PrefixRegistry:
         self.tier = (
             CpuTier(num_tier_blocks, block_size, self.events) if self.cache is not None and num_tier_blocks else None
         )
+        self.remote = remote if self.tier is not None else None  # its blocks land in the CPU tier
         self._uncommitted: list[Block] = []  # registered by the step being run
+        self._written: list[CacheKey] = []  # sent to the shared tier by the step being run
         pool.on_evict = self._on_evict
 
     @property
@@ -58,31 +75,63 @@ class PrefixRegistry:
     def tier_pool(self) -> BlockPool | None:
         return self.tier.pool if self.tier is not None else None
 
-    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The step's CPU-tier copies: (GPU, tier) offloads and (tier, GPU) restores, in that order."""
-        return self.tier.take_transfers() if self.tier is not None else ([], [])
+    def take_transfers(self) -> TierTransfers:
+        """The step's tier transfers (call once the step is scheduled)."""
+        if self.tier is None:
+            return TierTransfers()
+        offload, fetched, restore = self.tier.take_transfers()
+        write_through = []
+        if self.remote is not None and self.remote.available:
+            for block in self._uncommitted:
+                key = block.cache_key
+                if key is not None and not self.remote.knows(key.digest):
+                    self._written.append(key)
+                    write_through.append((block.block_id, key.digest, key.token_ids))
+        return TierTransfers(offload, fetched, restore, write_through)
 
     # ------------------------------------------------------------------ lookups
-    def find(self, token_ids: Sequence[int], cache_salt: str | None = None) -> CachedPrefix:
+    def find(self, token_ids: Sequence[int], cache_salt: str | None = None, *, remote: bool = True) -> CachedPrefix:
         """Leading full blocks of `token_ids` already in the cache. The last token is never served
-        from cache (its logits must be computed), so at most (len - 1) // block_size blocks hit."""
+        from cache (its logits must be computed), so at most (len - 1) // block_size blocks hit.
+        `remote`: also ask the shared tier (a network call) for what the local tiers miss."""
         prefix = CachedPrefix([], [], 0, len(token_ids), cache_salt)
         if self.cache is None:
             return prefix
         bs = self.block_size
         servable = token_ids[: max(0, len(token_ids) - 1) // bs * bs]  # the same digests a fleet router computes
-        for i, digest in enumerate(block_digests(servable, bs, cache_salt)):
+        digests = block_digests(servable, bs, cache_salt)
+        for i, digest in enumerate(digests):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             block = self.cache.lookup(digest, chunk)
             if block is None:
                 tier_block = self.tier.lookup(digest, chunk) if self.tier is not None else None
                 if tier_block is None:
+                    if remote and self.remote is not None:
+                        rest = [(digest, chunk)] + [(d, tuple(servable[j * bs : (j + 1) * bs]))
+                                                    for j, d in enumerate(digests, i + 1)]  # fmt: skip
+                        self._fetch(prefix, rest)
                     break
                 prefix.tier_block_ids[i] = tier_block
             prefix.block_ids.append(block.block_id if block is not None else None)
             prefix.block_hashes.append(digest)
         prefix.num_tokens = len(prefix.block_ids) * bs
         return prefix
+
+    def _fetch(self, prefix: CachedPrefix, blocks: list[tuple[bytes, tuple[int, ...]]]) -> None:
+        """The shared tier's leading `blocks`, landed in the CPU tier and added to `prefix` as tier hits."""
+        landed = 0
+        for (digest, chunk), payload in zip(blocks, self.remote.fetch(blocks)):  # type: ignore[union-attr]
+            i = len(prefix.block_ids)
+            parent = prefix.block_hashes[-1] if prefix.block_hashes else None
+            key = CacheKey(digest, parent, chunk, extra_keys_for(i, prefix.cache_salt))
+            tier_block = self.tier.land(key, payload)  # type: ignore[union-attr]
+            if tier_block is None:
+                break
+            prefix.tier_block_ids[i] = tier_block
+            prefix.block_ids.append(None)
+            prefix.block_hashes.append(digest)
+            landed += 1
+        self.remote.note_hits(landed)  # type: ignore[union-attr]
 
     def hit_blocks(self, prefix: CachedPrefix | None) -> list[Block]:
         """The GPU blocks a prefix hits (its tier hits are checked, not returned)."""
@@ -143,7 +192,10 @@ class PrefixRegistry:
         for block in self._uncommitted:
             if block.cache_key is not None:
                 self.events.stored(block.cache_key, GPU)
+        for key in self._written:
+            self.events.stored_remote(key)
         self._uncommitted.clear()
+        self._written.clear()
         if self.tier is not None:
             self.tier.unpin()
         self.events.publish()
@@ -154,6 +206,7 @@ class PrefixRegistry:
         for block in self._uncommitted:
             if block.cache_key is not None:
                 self.pool.uncache(block)
+        self._written.clear()
         if self.tier is not None:
             self.tier.unpin()
         for table in tables:

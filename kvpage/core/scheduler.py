@@ -183,7 +183,9 @@ class Scheduler(Intake):
                 self._admit(budget, out)
         out.failed = list(self._failed.items())
         self._failed.clear()
-        out.offload, out.restore = self.kv.take_tier_transfers()
+        tiers = self.kv.take_tier_transfers()
+        out.offload, out.fetched, out.restore, out.write_through = (tiers.offload, tiers.fetched, tiers.restore,
+                                                                     tiers.write_through)  # fmt: skip
         return out
 
     def _plan(self, req: Request, budget: int) -> list[tuple[Sequence, int]]:

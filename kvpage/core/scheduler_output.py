@@ -4,10 +4,13 @@ SchedulerOutput
   sequences: the tokens to compute for each sequence, where they go, what to return
   copies:    (src, dst) GPU block copies to perform first (copy-on-write)
   offload:   (gpu, tier) copies of evicted prefix blocks into the CPU tier: first of all
-  restore:   (tier, gpu) copies of prefix hits on the CPU tier back into fresh GPU blocks: second
+  fetched:   (tier, payload): blocks fetched from the shared tier (remote_tier.py) into the CPU tier: second
+  restore:   (tier, gpu) copies of prefix hits on the CPU tier back into fresh GPU blocks: third
   swap_out:  (gpu, cpu) block copies, before the step; swap_in: (cpu, gpu) block copies
   rotations: (src, dst, positions): dst = src with its keys rotated by `positions` (StreamingLLM's
              sink blocks seen at cache positions), after every copy above
+  write_through: (gpu, digest, token ids) blocks whose KV the step writes, sent to the shared tier
+             after the forward
   failed:    requests the scheduler failed while planning (they never fit): (request_id, reason)
 
 A sequence is named by `SeqKey(request_id, index)`: plain data, never a string to split.
@@ -55,6 +58,8 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     offload: list[tuple[int, int]] = field(default_factory=list)
     restore: list[tuple[int, int]] = field(default_factory=list)
+    fetched: list[tuple[int, bytes]] = field(default_factory=list)
+    write_through: list[tuple[int, bytes, tuple[int, ...]]] = field(default_factory=list)
     rotations: list[tuple[int, int, int]] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
 
@@ -67,5 +72,6 @@ class SchedulerOutput:
         """Anything for the worker to do (model tokens or block copies)."""
         return bool(
             self.sequences or self.copies or self.swap_out or self.swap_in or self.offload or self.restore
+            or self.fetched or self.write_through
             or self.rotations
         )  # fmt: skip

@@ -12,10 +12,13 @@ import torch
 
 from kvpage.config import EngineConfig
 from kvpage.core import KVCacheManager
+from kvpage.core.remote_tier import RemoteTier
 from kvpage.core.scheduler import Scheduler
+from kvpage.kvstore import open_store
 from kvpage.models import choose_dtype, load_model, parse_dtype
 from kvpage.models.batch_invariant import make_batch_invariant
 from kvpage.models.config import ModelConfig
+from kvpage.models.loader import weights_fingerprint
 from kvpage.models.tokenizer import Tokenizer
 from kvpage.worker.gpu_memory import profile_kv_budget
 from kvpage.worker.kv_cache import KVCache, kv_dtype_name
@@ -39,6 +42,7 @@ class EngineParts:
     kv_cache: KVCache
     runner: ModelRunner
     scheduler: Scheduler
+    remote: RemoteTier | None = None  # the shared KV tier (--remote-kv)
 
 
 def describe_kernels(chosen: str, asked: str) -> str:
@@ -81,17 +85,28 @@ def build_engine(config: EngineConfig) -> EngineParts:
     num_cpu_blocks = int(config.swap_space) // per_block
     num_tier_blocks = int(config.cpu_offload_memory) // per_block
     max_model_len = _max_model_len(config, loaded.config.max_position_embeddings, num_blocks, block_size)
-    kv_manager = KVCacheManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
-                                enable_prefix_caching=config.enable_prefix_caching, watermark=config.watermark,
-                                bytes_per_block=per_block, num_tier_blocks=num_tier_blocks)  # fmt: skip
     kv_cache = KVCache(loaded.config, num_blocks, block_size, dtype, config.device, num_cpu_blocks,
                        config.kv_cache_dtype, num_tier_blocks, backend=backend)  # fmt: skip
+    remote = _remote_tier(config, loaded, dtype_name, kv_cache) if config.remote_kv else None
+    kv_manager = KVCacheManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
+                                enable_prefix_caching=config.enable_prefix_caching, watermark=config.watermark,
+                                bytes_per_block=per_block, num_tier_blocks=num_tier_blocks,
+                                remote=remote)  # fmt: skip
     scheduler = Scheduler(kv_manager, max_num_seqs=config.max_num_seqs,
                           max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                           preemption_mode=config.preemption_mode)  # fmt: skip
+    runner = ModelRunner(loaded.model, kv_cache, config.device, remote=remote)
     return EngineParts(dtype_name, dtype_reason, kernels, loaded.config, loaded.tokenizer,
                        kv_dtype_name(config.kv_cache_dtype, dtype), per_block, note, max_model_len, kv_manager,
-                       kv_cache, ModelRunner(loaded.model, kv_cache, config.device), scheduler)  # fmt: skip
+                       kv_cache, runner, scheduler, remote)  # fmt: skip
+
+
+def _remote_tier(config: EngineConfig, loaded, dtype_name: str, kv_cache: KVCache) -> RemoteTier:
+    """The shared tier, in the namespace of everything that makes two replicas' blocks interchangeable."""
+    namespace = "|".join((f"weights={weights_fingerprint(loaded.source)}", f"dtype={dtype_name}",
+                          f"weight_dtype={config.weight_dtype or 'none'}", f"kv={config.kv_cache_dtype}",
+                          f"block_size={config.block_size}", f"layout={kv_cache.layout()}"))  # fmt: skip
+    return RemoteTier(open_store(config.remote_kv), namespace)  # type: ignore[arg-type]
 
 
 def _num_blocks(config: EngineConfig, loaded, dtype: torch.dtype, per_block: int) -> tuple[int, str]:

@@ -58,6 +58,7 @@ class LLMEngine:
             parts.runner,
             parts.scheduler,
         )
+        self.remote = parts.remote  # the shared KV tier (--remote-kv), or None
         self.outputs = OutputProcessor(self.tokenizer, max_model_len)
         self.sampler = Sampler()  # the generators of every sample, their rows, the draws
         self._states: dict[str, RequestState] = {}

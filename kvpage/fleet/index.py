@@ -23,6 +23,8 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvpage.core.invariants import check
+
 GPU, CPU, REMOTE = 1, 2, 4
 MEDIA = {"gpu": GPU, "cpu": CPU, "remote": REMOTE}
 
@@ -77,12 +79,15 @@ class Match:
 
 
 class KVIndex:
-    def __init__(self, stale_after: float = 5.0, pending_ttl: float = 2.0) -> None:
+    def __init__(self, stale_after: float = 5.0, pending_ttl: float = 2.0, max_remote: int = 1 << 18) -> None:
         self.stale_after = stale_after
         self.pending_ttl = pending_ttl
         self.replicas: dict[str, ReplicaView] = {}
         self._where: dict[str, dict[str, int]] = {}  # digest -> {replica: media}
-        self._remote: set[str] = set()
+        # in the shared tier, oldest first: its server evicts without telling anyone, so the index keeps the
+        # `max_remote` newest (a stale entry only makes the router price a block as cheaper than it is)
+        self._remote: dict[str, None] = {}
+        self.max_remote = max_remote
         self._pending: dict[str, dict[str, float]] = {}  # digest -> {replica: expiry}
         self.num_gaps = 0
         self.num_resyncs = 0
@@ -144,12 +149,6 @@ class KVIndex:
         for holders in self._pending.values():
             holders.pop(replica, None)
 
-    def stored_remote(self, digests: Iterable[str]) -> None:
-        self._remote.update(digests)
-
-    def removed_remote(self, digests: Iterable[str]) -> None:
-        self._remote.difference_update(digests)
-
     # ------------------------------------------------------------------ routing
     def trusted(self, replica: str, now: float) -> bool:
         """Whether `replica`'s entries describe it now: synced and heard from recently."""
@@ -201,6 +200,11 @@ class KVIndex:
         return len(view.held) if view is not None else 0
 
     @property
+    def num_remote(self) -> int:
+        """Blocks known to be in the shared tier (written there by some replica)."""
+        return len(self._remote)
+
+    @property
     def num_digests(self) -> int:
         return len(self._where)
 
@@ -208,9 +212,10 @@ class KVIndex:
         """The digest map and the replicas' own views say the same."""
         from_views = {(d, r, m) for r, v in self.replicas.items() for d, m in v.held.items()}
         from_map = {(d, r, m) for d, holders in self._where.items() for r, m in holders.items()}
-        assert from_views == from_map, "the index's digest map and its replica views disagree"
-        assert all(self._where.values()), "a digest with no holder is kept"
-        assert all(m for v in self.replicas.values() for m in v.held.values()), "a held digest with no medium"
+        check(from_views == from_map, "the index's digest map and its replica views disagree")
+        check(all(self._where.values()), "a digest with no holder is kept")
+        check(all(m for v in self.replicas.values() for m in v.held.values()), "a held digest with no medium")
+        check(len(self._remote) <= self.max_remote, "the shared tier's entries outgrew max_remote")
 
     # ------------------------------------------------------------------ internals
     def _view(self, replica: str, now: float, load: Load | None) -> ReplicaView:
@@ -222,14 +227,17 @@ class KVIndex:
 
     def _add(self, replica: str, view: ReplicaView, digest: str, media: int) -> None:
         if media == REMOTE:
-            self._remote.add(digest)
+            self._remote.pop(digest, None)
+            self._remote[digest] = None
+            if len(self._remote) > self.max_remote:
+                del self._remote[next(iter(self._remote))]
             return
         view.held[digest] = view.held.get(digest, 0) | media
         self._where.setdefault(digest, {})[replica] = view.held[digest]
 
     def _remove(self, replica: str, view: ReplicaView, digest: str, media: int) -> None:
         if media == REMOTE:
-            self._remote.discard(digest)
+            self._remote.pop(digest, None)
             return
         left = view.held.get(digest, 0) & ~media
         holders = self._where.get(digest)

@@ -34,6 +34,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from kvpage.fleet.index import KVIndex, Load
+from kvpage.fleet.latency import quantile
 from kvpage.fleet.routing import KVAware, RouteRequest
 from kvpage.sampling_params import BeamSearchParams, SamplingParams
 
@@ -136,19 +137,15 @@ class KVIndexActor:
             "gaps": ix.num_gaps,
             "resyncs": ix.num_resyncs,
             "events": ix.num_events,
+            "remote_blocks": ix.num_remote,
             "fallbacks": self.policy.fallbacks,
             "routed": self.num_routed,
-            "route_p50": _quantile(self.route_seconds, 0.5),
-            "route_p99": _quantile(self.route_seconds, 0.99),
-            "lag_p50": _quantile(self.lag_seconds, 0.5),
-            "lag_p99": _quantile(self.lag_seconds, 0.99),
+            "route_p50": quantile(self.route_seconds, 0.5),
+            "route_p99": quantile(self.route_seconds, 0.99),
+            "lag_p50": quantile(self.lag_seconds, 0.5),
+            "lag_p99": quantile(self.lag_seconds, 0.99),
             "metrics": dict(self.metrics),
         }
-
-
-def _quantile(values, q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
 
 
 def index_actor(name: str):
@@ -262,10 +259,16 @@ class EventPublisher:
         self._last = 0.0
         self._index = None
         self._warned = False
+        self._backlog, self._backlog_key, self._backlog_at = 0.0, (), 0.0
 
-    def _load(self) -> tuple:
+    def _load(self, now: float) -> tuple:
+        """(batch, requests, backlog blocks, received). The backlog hashes every waiting prompt: it is
+        counted again when the requests change, else at most every `backlog_every` seconds."""
         sched, bs = self.engine.scheduler, self.engine.kv_events.block_size
-        return (self._sent, len(sched.requests), sched.num_backlog_tokens() / bs, self.received)
+        key = (len(sched.requests), self.received, self.engine.num_steps)
+        if key[:2] != self._backlog_key[:2] or (key != self._backlog_key and now - self._backlog_at >= 0.1):
+            self._backlog, self._backlog_key, self._backlog_at = sched.num_backlog_tokens() / bs, key, now
+        return (self._sent, len(sched.requests), self._backlog, self.received)
 
     def __call__(self) -> None:
         now = time.monotonic()
@@ -293,7 +296,7 @@ class EventPublisher:
             if self.events and self._resync:
                 seq, blocks = log_.snapshot()
                 self._sent, self._resync = seq, False
-                self._index.resync.remote(self.replica, seq, [asdict(b) for b in blocks], self._load())
+                self._index.resync.remote(self.replica, seq, [asdict(b) for b in blocks], self._load(now))
             batches, gap = log_.since(self._sent)
             if gap:
                 self._resync = True
@@ -301,7 +304,7 @@ class EventPublisher:
             if batches:
                 self._sent = batches[-1].seq
             payload = [(b.seq, [asdict(e) for e in b.events]) for b in batches] if self.events else []
-            self._inflight = self._index.report.remote(self.replica, payload, self._load(), time.time(), metrics,
+            self._inflight = self._index.report.remote(self.replica, payload, self._load(now), time.time(), metrics,
                                                        self.events)  # fmt: skip
             self._warned = False
         except Exception as e:  # noqa: BLE001 - no index (yet): serve on, try again next time
@@ -434,6 +437,11 @@ class FleetMetrics:
             lines.append(f'kvpage:fleet_replica_trusted{{replica="{r}"}} {int(v["trusted"])}')
         for r in st["events_off"]:
             lines.append(f'kvpage:fleet_replica_trusted{{replica="{r}"}} 0')
+        lines += [
+            "# HELP kvpage:fleet_remote_blocks blocks the index knows in the shared KV tier (--remote-kv)",
+            "# TYPE kvpage:fleet_remote_blocks gauge",
+            f"kvpage:fleet_remote_blocks {st['remote_blocks']}",
+        ]
         lines.append("# TYPE kvpage:fleet_replica_blocks gauge")
         for r, v in sorted(st["replicas"].items()):
             lines.append(f'kvpage:fleet_replica_blocks{{replica="{r}"}} {v["blocks"]}')

@@ -134,7 +134,6 @@ class KVAware:
     fallbacks: int = 0
     _falling_back: bool = False
     _pow2: PowerOfTwo = field(init=False)
-    _last: dict = field(default_factory=dict)  # replica -> blocks to compute, of the request just ranked
 
     def __post_init__(self) -> None:
         self._pow2 = PowerOfTwo(lambda r: self.index.load(r).requests, self.seed)
@@ -151,12 +150,10 @@ class KVAware:
     def cost(self, req: RouteRequest, replica: str, now: float) -> float:
         load = self.index.load(replica)
         compute, pending = self.compute_blocks(req, replica, now)
-        self._last[replica] = compute
         waits = max(0.0, load.backlog - pending)  # the queue ahead, but the prefix it computes for us too
         return compute + self.backlog_weight * waits + self.load_weight * load.requests
 
     def rank(self, req: RouteRequest, candidates: Sequence[str], now: float) -> list[str]:
-        self._last = {}
         if not any(self.index.trusted(c, now) for c in candidates):
             self.fallbacks += 1
             if not self._falling_back:
@@ -174,7 +171,4 @@ class KVAware:
                                                  self.index.num_blocks(c), order[c]))  # fmt: skip
 
     def routed(self, req: RouteRequest, replica: str, now: float) -> None:
-        blocks = self._last.get(replica)
-        if blocks is None:
-            blocks = self.compute_blocks(req, replica, now)[0]
-        self.index.routed(replica, req.digests, now, blocks)
+        self.index.routed(replica, req.digests, now, self.compute_blocks(req, replica, now)[0])

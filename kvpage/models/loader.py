@@ -51,6 +51,24 @@ class LoadedModel:
     from_cache: bool = False
 
 
+def weights_fingerprint(source: str) -> str:
+    """A short name for the weights' content (not their path): the same file on two machines gives the
+    same name. SHA-256 over each weight file's size and its first and last MiB."""
+    path = Path(source)
+    kinds = (".safetensors", ".gguf", ".json")
+    files = sorted(p for p in path.iterdir() if p.suffix in kinds) if path.is_dir() else [path]
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name if path.is_dir() else ''}|{size}|".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(size - (1 << 20))
+                h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype in _DTYPES.values():

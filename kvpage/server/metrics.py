@@ -84,6 +84,8 @@ class _EngineCollector:
         tier.add_metric([model, "cached"], st.tier_cached_blocks)
         tier.add_metric([model, "total"], st.tier_total_blocks)
         yield tier
+        if self.engine.remote is not None:
+            yield from self._remote(self.engine.remote, st.block_size)
         for name, value in (("running", snap.num_running), ("waiting", snap.num_waiting),
                             ("swapped", snap.num_swapped)):  # fmt: skip
             yield self._gauge(f"kvpage:num_requests_{name}", f"number of requests {name}", value)
@@ -92,6 +94,20 @@ class _EngineCollector:
         yield self._counter("kvpage:generation_tokens", "number of generation tokens processed",
                             snap.num_generation_tokens)  # fmt: skip
         yield self._counter("kvpage:engine_steps", "engine steps run (the step this scrape's state is from)", snap.step)
+
+    def _remote(self, remote, block_size: int):
+        rs = remote.stats
+        yield self._gauge("kvpage:remote_kv_up", "1 while the shared KV tier answers (0: skipped until it does)",
+                          float(rs.up))  # fmt: skip
+        yield self._counter("kvpage:remote_kv_fetched_tokens", "tokens fetched from the shared KV tier (checked)",
+                            rs.hit_blocks * block_size)  # fmt: skip
+        yield self._counter("kvpage:remote_kv_stored_tokens", "tokens written through to the shared KV tier",
+                            rs.stored_blocks * block_size)  # fmt: skip
+        yield self._counter("kvpage:remote_kv_refused_blocks", "shared-tier records refused: another model's, "
+                            "other tokens, or damaged", rs.refused_blocks)  # fmt: skip
+        yield self._counter("kvpage:remote_kv_errors", "failed calls to the shared KV tier", rs.errors)
+        yield self._counter("kvpage:remote_kv_dropped_blocks", "writes to the shared KV tier given up",
+                            remote.kv_store.num_dropped)  # fmt: skip
 
 
 class Metrics:

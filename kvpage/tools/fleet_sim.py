@@ -37,6 +37,7 @@ from kvpage.core.request import Request
 from kvpage.core.scheduler import Scheduler
 from kvpage.core.step_update import RequestUpdate, SeqUpdate
 from kvpage.fleet.index import KVIndex, Load
+from kvpage.fleet.latency import quantile
 from kvpage.fleet.routing import KVAware, PowerOfTwo, PrefixHistory, RoundRobin, RouteRequest
 
 ROUTERS = ("round_robin", "pow2", "prefix_history", "kv")
@@ -109,13 +110,6 @@ class FleetResult:
         self.of_ideal = self.hit_tokens / max(1, self.ideal_tokens)
 
 
-def _quantile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 class FleetSimulation:
     def __init__(self, cfg: FleetConfig, router: str) -> None:
         self.cfg = cfg
@@ -156,7 +150,8 @@ class FleetSimulation:
     def _tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(2, 49000) for _ in range(n)]
 
-    def _conversations(self) -> list[list[tuple[list[int], list[int]]]]:
+    def _conversations(self) -> tuple[list[list[tuple[list[int], list[int]]]], list[list[int]]]:
+        """Each conversation's turns (user tokens, answer tokens), and the system prompts' tokens."""
         cfg = self.cfg
         systems = [self._tokens(cfg.system_tokens) for _ in range(cfg.num_prompts)]
         return [[(self._tokens(cfg.user_tokens), self._tokens(cfg.answer_tokens)) for _ in range(cfg.turns)]
@@ -198,9 +193,9 @@ class FleetSimulation:
             prompt_tokens=sum(len(t.prompt) for t in done),
             hit_tokens=sum(t.hit_tokens for t in done),
             ideal_tokens=sum(t.ideal_tokens for t in done),
-            ttft_p50=_quantile([t.first_token - t.arrival for t in done], 0.5),
-            ttft_p90=_quantile([t.first_token - t.arrival for t in done], 0.9),
-            route_p99_ms=1000 * _quantile(self.route_times, 0.99),
+            ttft_p50=quantile([t.first_token - t.arrival for t in done], 0.5),
+            ttft_p90=quantile([t.first_token - t.arrival for t in done], 0.9),
+            route_p99_ms=1000 * quantile(self.route_times, 0.99),
             makespan=self.now,
             fallbacks=getattr(self.router, "fallbacks", 0),
         )

@@ -9,6 +9,10 @@ stored: a cache holds num_kv_heads heads only.
 With a quantized KV dtype ("int8", "fp8"; kvpage/attention/kv_quant.py) each layer also holds the
 scales, [num_blocks, num_kv_heads, block_size] float32 for K and for V: they belong to the block,
 so copy-on-write, swap and every other move of a block carry them with it, bit for bit.
+
+For the shared tier (core/remote_tier.py) a block travels as bytes: every layer's tensors' slices of
+it, in order (`read_blocks`), written back into CPU-tier blocks by `land`; `layout()` names that
+format, so only caches of the same layout exchange blocks.
 """
 
 from __future__ import annotations
@@ -111,6 +115,36 @@ class KVCache:
     def restore(self, pairs: list[tuple[int, int]]) -> None:
         """(tier block, device block) pairs: CPU-tier prefix hits brought back."""
         self._transfer(self.tier_layers, self.layers, pairs)
+
+    def layout(self) -> str:
+        """The byte format of one block: each layer's tensors' dtype and per-block shape."""
+        parts = [f"{t.dtype}{tuple(t.shape[1:])}" for t in self.layers[0].tensors()]
+        return f"{len(self.layers)}x[{','.join(parts)}]"
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """The bytes of these device blocks (after the step that wrote them)."""
+        if not block_ids:
+            return []
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.layers[0].k.device)
+        n = len(block_ids)
+        parts = [t.index_select(0, idx).reshape(n, -1).view(torch.uint8).cpu() for layer in self.layers
+                 for t in layer.tensors()]  # fmt: skip
+        rows = torch.cat(parts, dim=1).numpy()
+        return [rows[i].tobytes() for i in range(n)]
+
+    def land(self, blocks: list[tuple[int, bytes]]) -> None:
+        """(tier block, bytes from `read_blocks`): blocks fetched from the shared tier into the CPU tier."""
+        for tier_block, payload in blocks:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            pos = 0
+            for layer in self.tier_layers:
+                for t in layer.tensors():
+                    row = t[tier_block]
+                    size = row.numel() * row.element_size()
+                    row.view(-1).view(torch.uint8).copy_(data[pos : pos + size])
+                    pos += size
+            if pos != len(payload):
+                raise ValueError(f"a shared-tier block of {len(payload)} bytes for a layout of {pos}")
 
     @staticmethod
     def _index(pairs, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvpage.core.remote_tier import RemoteTier
 from kvpage.core.scheduler_output import SchedulerOutput, SeqKey
 from kvpage.models.llama import LlamaForCausalLM
 from kvpage.worker.fused_decode import step_forward
@@ -34,9 +35,16 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        device: str | torch.device = "cpu",
+        remote: RemoteTier | None = None,  # the shared tier the step's new blocks are written through to
+    ):
         self.model = model
         self.kv_cache = kv_cache
+        self.remote = remote
         self.device = torch.device(device)
         # the fast path for pure decode steps on the CPU kernels where it can apply (fused_decode.py)
         self.forward = step_forward(model)
@@ -47,6 +55,7 @@ class ModelRunner:
         kv = self.kv_cache
         t0 = time.perf_counter()
         kv.offload(step.offload)  # evicted prefix blocks to the CPU tier, before they are reused
+        kv.land(step.fetched)  # blocks fetched from the shared tier, into the CPU tier
         kv.restore(step.restore)  # CPU-tier hits into their new blocks
         kv.swap_out(step.swap_out)  # read the victims' blocks before anything can overwrite them
         kv.swap_in(step.swap_in)
@@ -54,6 +63,7 @@ class ModelRunner:
         kv.rotate_blocks(step.rotations, self.model.rotary.inv_freq)  # sources are resident by now
         t1 = time.perf_counter()
         if not step.sequences:
+            self._write_through(step)
             return ModelRunnerOutput([], torch.empty(0))
         inputs = build_inputs(step.sequences, kv.block_size, self.device)
         t2 = time.perf_counter()
@@ -74,8 +84,16 @@ class ModelRunner:
                 chunk_logits = self.model.compute_logits(hidden[start:end]).float()
                 out.prompt_logprobs[s.seq_id] = torch.log_softmax(chunk_logits, dim=-1)
             start = end
+        self._write_through(step)
         t3 = time.perf_counter()
         self.timings["copy"] += t1 - t0
         self.timings["prepare"] += t2 - t1
         self.timings["forward"] += t3 - t2
         return out
+
+    def _write_through(self, step: SchedulerOutput) -> None:
+        """The blocks this step wrote, to the shared tier (their KV is complete once the forward ran)."""
+        if self.remote is None or not step.write_through:
+            return
+        payloads = self.kv_cache.read_blocks([b for b, _, _ in step.write_through])
+        self.remote.store([(d, t, p) for (_, d, t), p in zip(step.write_through, payloads, strict=True)])

@@ -35,7 +35,8 @@ class KVMemory:
     def transfers(self) -> None:
         """The tier copies the manager planned so far: evicted blocks out first, then hits back in
         (the worker runs them before anything else of the step)."""
-        offload, restore = self.mgr.take_tier_transfers()
+        t = self.mgr.take_tier_transfers()
+        offload, restore = t.offload, t.restore
         if offload or restore:
             from hypothesis import event
 

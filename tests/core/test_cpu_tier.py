@@ -5,6 +5,12 @@ from kvpage.core import KVCacheManager
 from tests.core.test_kv_cache_manager import BS, Seqs, finish, toks
 
 
+def copies(mgr) -> tuple[list, list]:
+    """The step's (pool, tier) offloads and (tier, pool) restores."""
+    t = mgr.take_tier_transfers()
+    return t.offload, t.restore
+
+
 def tiered(num_blocks=4, num_tier_blocks=2):
     return Seqs(KVCacheManager(num_blocks, BS, watermark=0.0, num_tier_blocks=num_tier_blocks))
 
@@ -15,11 +21,11 @@ def test_evicted_blocks_go_to_the_tier_and_come_back_on_a_hit():
     prompt = toks(2 * BS + 1)  # two full blocks and one token
     s.add("a", prompt)
     assert mgr.block_table("a") == [0, 1, 2]
-    assert mgr.take_tier_transfers() == ([], [])
+    assert copies(mgr) == ([], [])
     s.free("a")  # free, still registered: queue 3, 2, 1, 0
     s.add("b", toks(4 * BS - 1, 1000))  # takes all four blocks: 1 and 0 are evicted, so offloaded
     assert mgr.block_table("b") == [3, 2, 1, 0]
-    assert mgr.take_tier_transfers() == ([(1, 0), (0, 1)], [])  # (pool, tier): a's block 1, then block 0
+    assert copies(mgr) == ([(1, 0), (0, 1)], [])  # (pool, tier): a's block 1, then block 0
     st = mgr.stats()
     assert st.tier_cached_blocks == 2 and st.tier_total_blocks == 2 and st.cached_blocks == 0
     s.check()
@@ -29,7 +35,7 @@ def test_evicted_blocks_go_to_the_tier_and_come_back_on_a_hit():
     s.add("a2", prompt, computed=False)
     # two fresh blocks (0 and 1: b's first two, offloaded in turn) for the restores, then one to grow
     assert mgr.block_table("a2") == [0, 1, 2]
-    offload, restore = mgr.take_tier_transfers()
+    offload, restore = copies(mgr)
     assert restore == [(1, 0), (0, 1)]  # (tier, pool)
     assert offload == []  # the tier's two blocks are being read: b's evicted blocks find no room
     s.check()  # the two tier blocks are pinned while the step runs
@@ -65,7 +71,7 @@ def test_a_block_whose_kv_was_never_written_is_not_offloaded():
     mgr.discard_uncommitted()
     s.free("a")
     s.add("b", toks(2 * BS - 1, 500))
-    assert mgr.take_tier_transfers() == ([], [])
+    assert copies(mgr) == ([], [])
     assert mgr.stats().tier_cached_blocks == 0
     finish(s)
 
@@ -79,7 +85,7 @@ def test_without_a_tier_or_prefix_caching_nothing_changes():
         s.add("a", toks(2 * BS + 1))
         s.free("a")
         s.add("b", toks(4 * BS - 1, 1000))
-        assert mgr.take_tier_transfers() == ([], []) and mgr.stats().tier_total_blocks == 0
+        assert copies(mgr) == ([], []) and mgr.stats().tier_total_blocks == 0
         finish(s)
 
 

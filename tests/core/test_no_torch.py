@@ -14,7 +14,7 @@ sys.meta_path.insert(0, _NoTorch())
 import kvpage.core
 names = sorted(m.name for m in pkgutil.walk_packages(kvpage.core.__path__, "kvpage.core."))
 names += ["kvpage.core_demo", "kvpage.tools.scheduler_sim", "kvpage.fleet.index", "kvpage.fleet.routing",
-          "kvpage.tools.fleet_sim"]
+          "kvpage.tools.fleet_sim", "kvpage.kvstore", "kvpage.kvstore.redis_store"]
 for name in names:
     try:
         importlib.import_module(name)

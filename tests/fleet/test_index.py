@@ -130,6 +130,22 @@ def test_kv_aware_prices_blocks_to_compute_against_load():
     assert router.rank(req, ["cold", "hot", "tier"], 0.0) == ["cold", "tier", "hot"]
 
 
+def test_blocks_in_the_shared_tier_are_priced_at_fetch_cost_for_every_replica():
+    ix = KVIndex(max_remote=6)
+    digests = [f"d{i}" for i in range(8)]
+    ix.apply("a", 1, [stored(digests[:2]), stored(digests[:6], "remote")], now=0.0, load=Load(requests=3))
+    ix.apply("b", 1, [], now=0.0)  # it never saw the prompt: the shared tier serves it the same blocks
+    assert ix.match(digests, "a", 0.0) == Match(gpu=2, remote=4) and ix.match(digests, "b", 0.0) == Match(remote=6)
+    router = KVAware(ix, load_weight=1.0, remote_cost=0.4)
+    req = RouteRequest(tuple(range(33)), tuple(digests))
+    assert router.cost(req, "a", 0.0) == 1 + 2 + 4 * 0.4 + 3  # the last partial block, d6 d7, d2-d5 fetched
+    assert router.cost(req, "b", 0.0) == 1 + 2 + 6 * 0.4
+    assert router.rank(req, ["a", "b"], 0.0) == ["b", "a"]  # the busy holder no longer wins by default
+    ix.apply("a", 2, [stored(["e0", "e1"], "remote")], now=0.1)  # the index keeps the 6 newest only
+    assert ix.num_remote == 6 and ix.match(digests, "b", 0.1) == Match()
+    ix.check_invariants()
+
+
 def test_kv_aware_falls_back_to_power_of_two_and_says_so(caplog):
     ix = KVIndex(stale_after=1.0)
     ix.apply("a", 1, [stored(["d0"])], now=0.0)

@@ -1,6 +1,7 @@
 """A real fleet: two kvpage replicas on Ray Serve (a local Ray cluster started here, 127.0.0.1 only),
-routed by their KV events, talked to with the official openai client; then failures: the index
-actor killed (events lost: replicas resync), a replica killed mid-request (only its requests fail)."""
+routed by their KV events, sharing a KV tier on a real redis-server, talked to with the official openai
+client; then failures: the index actor killed (events lost: replicas resync), a replica killed
+mid-request (only its requests fail, and what it computed is still served from the shared tier)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def fleet():
-    f = Fleet(FleetSpec(ENGINE, replicas=2, router="kv", port=_free_port(),
+def fleet(redis_server):
+    engine = {**ENGINE, "remote_kv": redis_server.url}
+    f = Fleet(FleetSpec(engine, replicas=2, router="kv", port=_free_port(),
                         app_kwargs={"served_model_name": "smollm2"}), num_cpus=2)  # fmt: skip
     try:
         wait_for(lambda: len(trusted(f)) == 2, 60, "both replicas heard by the index")
@@ -113,6 +115,7 @@ def test_a_shared_prefix_goes_where_its_blocks_are_and_the_client_sees_the_hit(f
     assert m["kvpage:fleet_replica_blocks{replica=" + home + "}"] > 0
     assert sum(v for k, v in m.items() if k.startswith("kvpage:fleet_replica_trusted")) == 2
     assert m["kvpage:fleet_index_up{}"] == 1 and m["kvpage:fleet_router_fallbacks_total{}"] == 0
+    assert m["kvpage:fleet_remote_blocks{}"] >= 4  # written through to the shared tier, announced to the index
     for r in trusted(fleet):  # every replica's own metrics, labelled with it; nothing left in use
         wait_for(lambda r=r: scrape(fleet)["kvpage:kv_cache_blocks{replica=" + r + ",state=used}"] == 0, 10,
                  f"replica {r} idle")  # fmt: skip
@@ -177,3 +180,5 @@ def test_a_killed_replica_fails_only_its_own_requests_and_the_index_forgets_it(f
         r = chat(c, f"Short {i}. " * 3, "Hi.", 3)
         assert r.choices[0].message.content is not None
     assert other in fleet.stats()["replicas"]
+    again = chat(c, long_sys, "Begin again.", 1)  # the dead replica's prefix, from the shared tier
+    assert again.usage.prompt_tokens_details.cached_tokens >= 32
