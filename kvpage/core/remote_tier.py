@@ -7,7 +7,7 @@ and the CPU tier asks this tier for the rest of its leading blocks; each block f
 landed in a CPU-tier block, from where it is restored as a CPU-tier hit.
 
     key     kvpage:<namespace hash>:<chain digest hex>
-    record  MAGIC | namespace | digest | token ids | payload length | BLAKE2b of the payload | payload
+    record  MAGIC | namespace | digest | token ids | payload length | CRC-32 of the payload | payload
 
 The namespace names everything that makes two replicas' bytes interchangeable: the weights' content,
 the compute and KV dtypes, the block size and the worker's block layout. A record is refused (a
@@ -26,6 +26,7 @@ import hashlib
 import logging
 import struct
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from typing import Protocol
 
 log = logging.getLogger("kvpage.remote_kv")
 
-MAGIC = b"KVPGB1"
+MAGIC = b"KVPGB2"
 _DIGEST = 32
 
 
@@ -62,14 +63,14 @@ class RefusedBlock(ValueError):
 
 def encode_record(namespace: str, digest: bytes, token_ids: Sequence[int], payload: bytes) -> bytes:
     ns = namespace.encode()
-    checksum = hashlib.blake2b(payload, digest_size=16).digest()
-    head = struct.pack(f"<{len(MAGIC)}sH{len(ns)}s{_DIGEST}sH{len(token_ids)}IQ16s", MAGIC, len(ns), ns, digest,
-                       len(token_ids), *token_ids, len(payload), checksum)  # fmt: skip
+    head = struct.pack(f"<{len(MAGIC)}sH{len(ns)}s{_DIGEST}sH{len(token_ids)}IQI", MAGIC, len(ns), ns, digest,
+                       len(token_ids), *token_ids, len(payload), zlib.crc32(payload))  # fmt: skip
     return head + payload
 
 
-def decode_record(record: bytes, namespace: str, digest: bytes, token_ids: Sequence[int]) -> bytes:
-    """The payload of `record` if it is the block (namespace, digest, tokens) asked for; else RefusedBlock."""
+def decode_record(record: bytes, namespace: str, digest: bytes, token_ids: Sequence[int]) -> memoryview:
+    """The payload of `record` (a view, not a copy) if it is the block (namespace, digest, tokens) asked
+    for and whole; else RefusedBlock. CRC-32 finds damage; the exact checks find another block."""
     view = memoryview(record)
     try:
         pos = len(MAGIC)
@@ -89,12 +90,12 @@ def decode_record(record: bytes, namespace: str, digest: bytes, token_ids: Seque
         pos += 4 * t
         if tuple(tokens) != tuple(token_ids):
             raise RefusedBlock("its token ids are not the prompt's")
-        length, checksum = struct.unpack_from("<Q16s", view, pos)
-        pos += 24
+        length, checksum = struct.unpack_from("<QI", view, pos)
+        pos += 12
     except struct.error as e:
         raise RefusedBlock(f"truncated record ({e})") from None
-    payload = bytes(view[pos:])
-    if len(payload) != length or hashlib.blake2b(payload, digest_size=16).digest() != checksum:
+    payload = view[pos:]
+    if len(payload) != length or zlib.crc32(payload) != checksum:
         raise RefusedBlock("its payload is damaged")
     return payload
 
@@ -141,10 +142,10 @@ class RemoteTier:
         """Whether the server is known to hold this block (written or read by this process)."""
         return digest in self._known
 
-    def fetch(self, blocks: Sequence[tuple[bytes, tuple[int, ...]]]) -> list[bytes]:
+    def fetch(self, blocks: Sequence[tuple[bytes, tuple[int, ...]]]) -> list[memoryview]:
         """Payloads of the leading `blocks` (digest, token ids) the server holds, each checked; stops at
         the first missing or refused one."""
-        out: list[bytes] = []
+        out: list[memoryview] = []
         if not blocks or not self.available:
             return out
         for start in range(0, len(blocks), self.fetch_chunk):

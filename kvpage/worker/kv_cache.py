@@ -134,17 +134,21 @@ class KVCache:
 
     def land(self, blocks: list[tuple[int, bytes]]) -> None:
         """(tier block, bytes from `read_blocks`): blocks fetched from the shared tier into the CPU tier."""
-        for tier_block, payload in blocks:
-            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            pos = 0
-            for layer in self.tier_layers:
-                for t in layer.tensors():
-                    row = t[tier_block]
-                    size = row.numel() * row.element_size()
-                    row.view(-1).view(torch.uint8).copy_(data[pos : pos + size])
-                    pos += size
-            if pos != len(payload):
-                raise ValueError(f"a shared-tier block of {len(payload)} bytes for a layout of {pos}")
+        if not blocks:
+            return
+        n = len(blocks)
+        size = sum(t[0].numel() * t.element_size() for layer in self.tier_layers for t in layer.tensors())
+        if any(len(p) != size for _, p in blocks):
+            raise ValueError(f"a shared-tier block is not {size} bytes, the size of this cache's layout")
+        rows = torch.frombuffer(bytearray().join(p for _, p in blocks), dtype=torch.uint8).view(n, size)
+        idx = torch.tensor([b for b, _ in blocks], dtype=torch.int64)
+        pos = 0
+        for layer in self.tier_layers:
+            for t in layer.tensors():
+                width = t[0].numel() * t.element_size()
+                part = rows[:, pos : pos + width].contiguous().view(t.dtype).view(n, *t.shape[1:])
+                t.index_copy_(0, idx, part)
+                pos += width
 
     @staticmethod
     def _index(pairs, device) -> tuple[torch.Tensor, torch.Tensor]:
