@@ -223,9 +223,9 @@ def _fleet_request(pending: PendingRequest | None):
     return next((a for a in pending.args if hasattr(a, "digests") and hasattr(a, "token_ids")), None)
 
 
-def router_config(router: str, index_name: str) -> RequestRouterConfig | None:
+def router_config(router: str, index_name: str) -> RequestRouterConfig:
     if router == "pow2":
-        return None  # Ray Serve's default
+        return RequestRouterConfig()  # Ray Serve's default: power-of-two choices
     if router == "kv":
         # by import path: a class object would travel by value, with a copy of FleetRequest beside it
         return RequestRouterConfig(request_router_class=f"{__name__}.KVRouter",
@@ -542,12 +542,11 @@ class Fleet:
             ray.init(address=ray_address, num_cpus=num_cpus if ray_address is None else None,
                      include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
                      namespace=INDEX_NAMESPACE)  # fmt: skip
-        self.index_name = None
-        if spec.router == "kv":
-            self.index_name = f"kvpage-kv-index-{os.getpid()}-{time.time_ns()}"
-            # restarted if it dies, empty: the replicas' next reports find the gap and resync
-            self.index = KVIndexActor.options(name=self.index_name, namespace=INDEX_NAMESPACE,
-                                              max_restarts=-1).remote()  # fmt: skip
+        # under every router (the kv router ranks with it; for all it gathers the replicas' KV picture and
+        # metrics); restarted if it dies, empty: the replicas' next reports find the gap and resync
+        self.index_name = f"kvpage-kv-index-{os.getpid()}-{time.time_ns()}"
+        self.index = KVIndexActor.options(name=self.index_name, namespace=INDEX_NAMESPACE,
+                                          max_restarts=-1).remote()  # fmt: skip
         serve.start(http_options={"host": spec.host, "port": spec.port})
         serve.run(build_application(spec, self.index_name), name=APP_NAME, route_prefix="/", blocking=False)
         self.url = f"http://{spec.host}:{spec.port}/v1"

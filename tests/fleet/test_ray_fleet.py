@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray")
 
-from kvpage.fleet.ray_app import Fleet, FleetSpec, KVIndexActor, index_actor  # noqa: E402
+from kvpage.fleet.ray_app import ROUTERS, Fleet, FleetSpec, KVIndexActor, KVReplica, index_actor, router_config  # noqa: E402
 
 ENGINE = dict(dtype="float32", num_kv_blocks=256, max_model_len=1024)  # as the one-server fixture
 
@@ -119,6 +119,18 @@ def test_a_shared_prefix_goes_where_its_blocks_are_and_the_client_sees_the_hit(f
     for r in trusted(fleet):  # every replica's own metrics, labelled with it; nothing left in use
         wait_for(lambda r=r: scrape(fleet)["kvpage:kv_cache_blocks{replica=" + r + ",state=used}"] == 0, 10,
                  f"replica {r} idle")  # fmt: skip
+
+
+def test_every_router_is_a_deployment_config_ray_serve_accepts():
+    from ray import serve
+    from ray._common.utils import import_attr
+
+    for name in ROUTERS:
+        cfg = router_config(name, "some-index")
+        serve.deployment(KVReplica, name="KVReplica", request_router_config=cfg)  # validated here
+        path = cfg.request_router_class
+        cls = import_attr(path if isinstance(path, str) else f"{path.__module__}.{path.__qualname__}")
+        assert callable(cls), name
 
 
 def test_switched_off_events_are_never_trusted_and_the_router_says_so():
