@@ -195,7 +195,7 @@ def routers_part(cfg, tokenizer) -> tuple[str, dict]:
         for name in cfg.routers:
             router, _, remote = name.partition("+")
             args = ["--replicas", str(cfg.replicas), "--router", router, "--dtype", cfg.dtype,
-                    "--num-kv-blocks", str(cfg.blocks), "--max-model-len", "2048"]  # fmt: skip
+                    "--num-kv-blocks", str(cfg.blocks), "--max-model-len", str(min(2048, cfg.blocks * 16))]  # fmt: skip
             if remote:
                 args += ["--remote-kv", redis_url]
             t0 = time.perf_counter()

@@ -509,6 +509,20 @@ class FleetSpec:
             raise ValueError(f"router must be one of {', '.join(ROUTERS)}, not {self.router!r}")
 
 
+def _deployment_errors() -> str:
+    """The last line of each failed deployment's message (a replica's exception, e.g. a bad engine option)."""
+    try:
+        app = serve.status().applications.get(APP_NAME)
+    except Exception as e:  # noqa: BLE001 - the controller may be gone too
+        return f"(no deployment status: {e!r})"
+    lines = []
+    for name, d in app.deployments.items() if app is not None else ():
+        tail = [ln for ln in (d.message or "").splitlines() if ln.strip()]
+        if tail:
+            lines.append(f"{name}: {tail[-1].strip()}")
+    return "\n".join(lines)
+
+
 def build_application(spec: FleetSpec, index_name: str | None):
     spec.check()
     cores = os.cpu_count() or 1
@@ -548,7 +562,10 @@ class Fleet:
         self.index = KVIndexActor.options(name=self.index_name, namespace=INDEX_NAMESPACE,
                                           max_restarts=-1).remote()  # fmt: skip
         serve.start(http_options={"host": spec.host, "port": spec.port})
-        serve.run(build_application(spec, self.index_name), name=APP_NAME, route_prefix="/", blocking=False)
+        try:
+            serve.run(build_application(spec, self.index_name), name=APP_NAME, route_prefix="/", blocking=False)
+        except RuntimeError as e:  # Serve says which deployment failed; its replicas' own error says why
+            raise RuntimeError(f"{e}\n{_deployment_errors()}") from None
         self.url = f"http://{spec.host}:{spec.port}/v1"
 
     def stats(self) -> dict | None:

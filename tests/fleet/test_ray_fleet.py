@@ -34,7 +34,7 @@ def fleet(redis_server):
     f = Fleet(FleetSpec(engine, replicas=2, router="kv", port=_free_port(),
                         app_kwargs={"served_model_name": "smollm2"}), num_cpus=2)  # fmt: skip
     try:
-        wait_for(lambda: len(trusted(f)) == 2, 60, "both replicas heard by the index")
+        wait_for(lambda: len(trusted(f)) == 2, 120, "both replicas heard by the index")
         yield f
     finally:
         f.stop()
