@@ -217,9 +217,10 @@ def routers_part(cfg, tokenizer) -> tuple[str, dict]:
     rr = data.get("round_robin", {}).get("hit_rate") or float("nan")
     ray = data.get("ray_prefix", {}).get("ttft_p90_s") or float("nan")
     for name, r in data.items():
+        route = f"{r['route_p99_ms']:.1f}" if name.startswith("kv") else "-"
         rows.append(f"| {name} | {r['hit_rate']:.1%} | {r['of_possible']:.0%} | {r['hit_rate'] / rr:.2f}x | "
                     f"{r['ttft_p50_s']:.2f} / {r['ttft_p90_s']:.2f} | {r['ttft_p90_s'] / ray:.2f} | "
-                    f"{r['output_tokens_per_s']:.1f} | {r['route_p99_ms']:.1f} |")  # fmt: skip
+                    f"{r['output_tokens_per_s']:.1f} | {route} |")  # fmt: skip
     table = ("| router | prefix-hit tokens | of the most possible | vs round_robin | TTFT p50 / p90 (s) | "
              "p90 vs ray_prefix | output tok/s | route p99 (ms) |\n|---|---|---|---|---|---|---|---|\n"
              + "\n".join(rows))  # fmt: skip
