@@ -85,6 +85,8 @@ class SamplingParams(_SamplingFields):
         _int("top_k", self.top_k, -1)
         _float("min_p", self.min_p, 0.0, 1.0)
         _int("seed", self.seed, allow_none=True)
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ParameterError("seed", f"seed must fit in a signed 64-bit integer, got {self.seed}")
         _float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _float("repetition_penalty", self.repetition_penalty, 0.0, lo_open=True)

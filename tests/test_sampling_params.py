@@ -38,6 +38,8 @@ def test_non_finite_length_penalty_is_rejected(value):
         (dict(logit_bias={-1: 1.0}), r"logit_bias token id must be an integer >= 0, got -1"),
         (dict(logit_bias={"5": 1.0}), r"logit_bias token id must be an integer >= 0, got '5'"),
         (dict(logit_bias=[(5, 1.0)]), r"logit_bias must be a map of token id to bias, got \[\(5, 1.0\)\]"),
+        (dict(seed=2**63), f"seed must fit in a signed 64-bit integer, got {2**63}"),
+        (dict(seed=-(2**63) - 1), f"seed must fit in a signed 64-bit integer, got {-(2**63) - 1}"),
     ],
 )
 def test_out_of_range_values_name_the_field_and_the_bound(kwargs, message):

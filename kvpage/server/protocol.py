@@ -52,7 +52,7 @@ class _Common(BaseModel):
     temperature: Number | None = Field(None, ge=0, le=2)
     top_p: Number | None = Field(None, gt=0, le=1)
     stop: Text | list[Text] | None = None
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as OpenAI's and vLLM's
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
     logit_bias: dict[Text, Number] | None = None

@@ -71,14 +71,16 @@ class _Run:
             choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
                       "logprobs": self._logprobs(c, 0), "finish_reason": c.finish_reason,
                       "stop_reason": c.stop_reason}  # fmt: skip
-            if self.req.return_token_ids:
-                choice["token_ids"] = c.token_ids
+            choice["token_ids"] = c.token_ids if self.req.return_token_ids else None
             choices.append(choice)
         body = {"id": self.rid, "object": "chat.completion", "created": int(time.time()),
                 "model": self.s.served_model_name, "choices": choices,
                 "usage": usage(len(self.ids), sum(len(c.token_ids) for c in out.outputs),
                                out.num_cached_tokens)}  # fmt: skip
-        return self._extras(body, out)
+        body = self._extras(body, out)
+        body.setdefault("prompt_logprobs", None)  # vLLM's extension fields: there, null when not asked for
+        body.setdefault("prompt_token_ids", None)
+        return body
 
     def _chunk(self, choices: list[dict]) -> dict:
         return {"id": self.rid, "object": "chat.completion.chunk", "created": int(time.time()),

@@ -112,6 +112,9 @@ class _Run:
             for c in out.outputs:
                 prefix = self.texts[i] if req.echo else ""
                 choices.append(self._choice(i, out, c, text=prefix + c.text, start=0, offset=0, echo=req.echo))
+        for choice in choices:  # vLLM's extension fields are always there, null when not asked for
+            for key in ("prompt_logprobs", "prompt_token_ids", "token_ids"):
+                choice.setdefault(key, None)
         body = self._body(choices)
         generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
         body["usage"] = usage(sum(len(t) for t in self.token_lists), generated, sum(o.num_cached_tokens for o in outs))

@@ -120,6 +120,9 @@ def test_echo_with_logprobs_puts_the_prompt_first(server, client):
         ("/v1/completions", {"model": "smollm2", "prompt": "hi", "use_beam_search": True, "logprobs": 1}, "logprobs"),
         ("/v1/completions", {"model": "smollm2", "prompt": "hi", "prompt_logprobs": 99}, "prompt_logprobs"),
         ("/v1/completions", {"model": "smollm2", "prompt": "hi", "cache_salt": ""}, "cache_salt"),
+        ("/v1/completions", {"model": "smollm2", "prompt": "hi", "seed": 2**63}, "seed"),
+        ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}],
+                                  "seed": -(2**63) - 1}, "seed"),
         ("/v1/completions", {"model": "smollm2", "prompt": "hi", "kv_eviction": "lru"}, "kv_eviction.policy"),
         ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}],
                                   "kv_eviction": {"policy": "streaming", "window_tokens": 0}},
@@ -145,6 +148,27 @@ def test_every_error_uses_openais_body(server, method, path, status):
     assert r.status_code == status
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and path in err["message"]
+
+
+def test_vllms_extension_fields_are_always_sent_null_when_not_asked_for(server, client):
+    c = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=2, temperature=0)
+    choice = c.choices[0]
+    assert choice.prompt_logprobs is None and choice.prompt_token_ids is None and choice.token_ids is None
+    assert {"prompt_logprobs", "prompt_token_ids", "token_ids"} <= set(choice.model_dump())
+    asked = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=2, temperature=0,
+                                      extra_body={"return_token_ids": True, "prompt_logprobs": 1})  # fmt: skip
+    assert asked.choices[0].token_ids and asked.choices[0].prompt_token_ids and asked.choices[0].prompt_logprobs
+    chat = client.chat.completions.create(model="smollm2", max_tokens=2, temperature=0,
+                                          messages=[{"role": "user", "content": "Hi"}])  # fmt: skip
+    assert chat.prompt_logprobs is None and chat.prompt_token_ids is None and chat.choices[0].token_ids is None
+    assert {"prompt_logprobs", "prompt_token_ids"} <= set(chat.model_dump())
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63)])
+def test_a_seed_at_either_end_of_int64_is_taken(client, seed):
+    r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=3, temperature=1.0, seed=seed)
+    again = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=3, temperature=1.0, seed=seed)
+    assert r.choices[0].text == again.choices[0].text
 
 
 def test_chat_content_never_becomes_control_tokens(server, client):
