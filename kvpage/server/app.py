@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import uuid
 from dataclasses import asdict
 
 from fastapi import FastAPI, Query, Request
@@ -141,15 +142,18 @@ def _kv_event_routes(app: FastAPI, engine: LLMEngine) -> None:
 
 
 class _EchoRequestId:
-    """Every response to a request that sent X-Request-Id carries it back (errors included)."""
+    """Every HTTP response carries an X-Request-Id (errors included): the client's, echoed, or one made
+    here when it sent none, as OpenAI does (the openai client shows it as `_request_id`)."""
 
     def __init__(self, app) -> None:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        rid = next((v for k, v in scope.get("headers") or () if k == b"x-request-id"), None)
-        if scope["type"] != "http" or rid is None:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        rid = next((v for k, v in scope.get("headers") or () if k == b"x-request-id"), None)
+        if rid is None:
+            rid = f"req_{uuid.uuid4().hex}".encode()
 
         async def send_with_id(message):
             if message["type"] == "http.response.start":

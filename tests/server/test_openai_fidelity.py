@@ -260,6 +260,14 @@ def test_x_request_id_is_echoed(server):
         r.read()
 
 
+def test_an_x_request_id_is_made_when_the_client_sent_none(server, client):
+    raw = client.completions.with_raw_response.create(model="smollm2", prompt="hi", max_tokens=1)
+    first = raw.headers["x-request-id"]
+    assert first.startswith("req_") and raw.parse()._request_id == first
+    again = post(server, "/v1/models/nope", {})
+    assert again.headers["x-request-id"].startswith("req_") and again.headers["x-request-id"] != first
+
+
 def test_a_streaming_llm_request_runs_past_the_context(server, client):
     """kvpage's extension `kv_eviction`: a prompt longer than max_model_len is a 400 with the full
     cache and runs under StreamingLLM, in the same server, its blocks released as it goes."""
