@@ -23,14 +23,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         meta = f.metadata
         if "help" not in meta:
             continue
-        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+        flags = [meta.get("flag", "--" + f.name.replace("_", "-")), *meta.get("aliases", ())]
         if isinstance(f.default, bool):
             action = "store_false" if f.default else "store_true"
-            g.add_argument(flag, dest=f.name, action=action, default=f.default, help=meta["help"])
+            g.add_argument(*flags, dest=f.name, action=action, default=f.default, help=meta["help"])
+            if "opposite" in meta:
+                g.add_argument(meta["opposite"], dest=f.name, action="store_true" if f.default else "store_false",
+                               help=f"(the default; {flags[0]} undoes it)")  # fmt: skip
             continue
         kind = meta.get("type")
         convert = kind if kind in (int, float, None) else _argparse_type(kind)  # argparse's own messages for numbers
-        g.add_argument(flag, dest=f.name, default=None if f.default is MISSING else f.default, type=convert,
+        g.add_argument(*flags, dest=f.name, default=None if f.default is MISSING else f.default, type=convert,
                        choices=meta.get("choices"), metavar=meta.get("metavar"), help=meta["help"])  # fmt: skip
 
 

@@ -39,8 +39,9 @@ def _cli_block_size(text: str) -> int | str:
 
 
 def _opt(default: Any, help: str, **cli: Any) -> Any:
-    """A field, its help and how the command line takes it (`type`, `choices`, `flag`): the one source
-    of every engine option's name, default and help (kvpage/cli.py derives its options from these)."""
+    """A field, its help and how the command line takes it (`type`, `choices`, `flag`, `aliases`: more
+    spellings of it, such as vLLM's; `opposite`: a flag setting a bool field to its default): the one
+    source of every engine option's name, default and help (kvpage/cli.py derives its options from these)."""
     return field(default=default, metadata={"help": help, **cli})
 
 
@@ -70,7 +71,9 @@ class EngineConfig:
     )
     kv_cache_memory: int | str | None = _opt(None, "memory for the KV cache, e.g. 512MiB (default 512MiB)")
     num_kv_blocks: int | None = _opt(None, "size the KV cache in blocks instead", type=int)
-    enable_prefix_caching: bool = _opt(True, "turn automatic prefix caching off", flag="--no-prefix-caching")
+    enable_prefix_caching: bool = _opt(True, "turn automatic prefix caching off", flag="--no-prefix-caching",
+                                       aliases=("--no-enable-prefix-caching",),  # vLLM's spellings
+                                       opposite="--enable-prefix-caching")  # fmt: skip
     swap_space: int | str = _opt(0, "CPU memory for swapped-out blocks, e.g. 1GiB (default 0)")
     cpu_offload_memory: int | str = _opt(
         0,

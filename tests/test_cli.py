@@ -162,3 +162,16 @@ def test_the_server_loads_its_model_in_a_thread_that_then_exits():
     assert seen[0] is not threading.main_thread() and not seen[0].is_alive()
     with pytest.raises(ValueError, match="no such model"):
         _in_passing_thread(lambda: (_ for _ in ()).throw(ValueError("no such model")))
+
+
+def test_vllm_serve_spellings_are_the_same_options():
+    from kvpage.cli import _engine_kwargs, build_parser
+
+    p = build_parser()
+    args = p.parse_args(["serve", "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5", "--max-model-len",
+                         "512", "--kv-cache-dtype", "int8", "--served-model-name", "foo"])  # fmt: skip
+    kw = _engine_kwargs(args)
+    assert kw["enable_prefix_caching"] is False and kw["gpu_memory_utilization"] == 0.5
+    assert kw["max_model_len"] == 512 and kw["kv_cache_dtype"] == "int8" and args.served_model_name == "foo"
+    for flags, on in ([], True), (["--enable-prefix-caching"], True), (["--no-prefix-caching"], False):
+        assert _engine_kwargs(p.parse_args(["serve", *flags]))["enable_prefix_caching"] is on
