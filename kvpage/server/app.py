@@ -19,16 +19,18 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvpage import __version__
 from kvpage.engine.llm_engine import LLMEngine
 from kvpage.server.async_engine import AsyncEngine
 from kvpage.server.auth import APIKeyAuth
 from kvpage.server.body_limit import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kvpage.server.errors import install_error_handlers
 from kvpage.server.metrics import Metrics
-from kvpage.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvpage.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvpage.server.serving import DEFAULT_MAX_PROMPTS_PER_REQUEST, ClientDisconnected
 from kvpage.server.serving_chat import ChatServing
 from kvpage.server.serving_completions import CompletionServing
+from kvpage.server.serving_tokens import TokenServing
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for an answer nobody was left to read
 
@@ -64,6 +66,8 @@ def build_app(
     serving = dict(max_prompts_per_request=max_prompts_per_request, salt_cache_per_key=salt_cache_per_key)
     completions = CompletionServing(aengine, served_model_name, **serving)
     chat = ChatServing(aengine, served_model_name, **serving)
+    tokens = TokenServing(aengine, served_model_name, **serving)
+    load = _ServerLoad()
     created = int(time.time())
 
     async def lifespan(_app):
@@ -115,7 +119,25 @@ def build_app(
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
         return await answered(chat.create(req, raw_request))
 
-    asgi = BodyLimit(app, max_body_bytes, body_timeout)
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        """vLLM's: the prompt's (or the chat-templated messages') token ids, as the engine counts them."""
+        return tokens.tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        return tokens.detokenize(req)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/load")
+    async def server_load():
+        """vLLM's: the generation requests in flight (streams until their last chunk)."""
+        return {"server_load": load.in_flight}
+
+    asgi = BodyLimit(load.wrap(app), max_body_bytes, body_timeout)
     if keys:
         asgi = APIKeyAuth(asgi, keys)
     asgi = _EchoRequestId(asgi)
@@ -139,6 +161,37 @@ def _kv_event_routes(app: FastAPI, engine: LLMEngine) -> None:
         """Every block this replica's cache holds, as BlockStored events, as of batch `seq`."""
         seq, held = engine.kv_events.snapshot()
         return {"seq": seq, "block_size": engine.kv_events.block_size, "blocks": [asdict(e) for e in held]}
+
+
+class _ServerLoad:
+    """Generation requests in flight: counted from their start to the last byte of their answer."""
+
+    PATHS = ("/v1/completions", "/v1/chat/completions")
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+
+    def wrap(self, app):
+        async def counted(scope, receive, send):
+            if scope["type"] != "http" or scope.get("path") not in self.PATHS:
+                return await app(scope, receive, send)
+            self.in_flight += 1
+            done = False
+
+            async def send_counted(message):
+                nonlocal done
+                await send(message)
+                if message["type"] == "http.response.body" and not message.get("more_body") and not done:
+                    done = True
+                    self.in_flight -= 1
+
+            try:
+                await app(scope, receive, send_counted)
+            finally:
+                if not done:
+                    self.in_flight -= 1
+
+        return counted
 
 
 class _EchoRequestId:

@@ -150,3 +150,31 @@ class ChatCompletionRequest(_Common):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: only allowed when logprobs is true")
         return self
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's POST /tokenize: a prompt, or chat messages with the chat template applied."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's POST /detokenize."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Text | None = None
+    tokens: list[StrictInt] = Field(min_length=0)

@@ -1,0 +1,59 @@
+"""vLLM's auxiliary endpoints a migrating client calls: /tokenize and /detokenize (the engine's own
+tokenizer and chat template), /version, /load (generation requests in flight)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+
+from kvpage import __version__
+from tests.server.conftest import assert_pool_free
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60)
+
+
+def test_tokenize_counts_as_the_engine_does_and_detokenize_inverts_it(server):
+    tok = server.engine.tokenizer
+    r = post(server, "/tokenize", {"model": "smollm2", "prompt": "The quick brown fox", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tok.encode("The quick brown fox") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == server.engine.max_model_len
+    assert "".join(body["token_strs"]) == "The quick brown fox"
+    back = post(server, "/detokenize", {"model": "smollm2", "tokens": body["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": "The quick brown fox"}
+    chat = post(server, "/tokenize", {"model": "smollm2", "messages": MESSAGES}).json()
+    c = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+    answer = c.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=1, temperature=0)
+    assert chat["count"] == answer.usage.prompt_tokens  # the chat template applied exactly as for a completion
+    bare = post(server, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}).json()
+    assert bare["count"] < chat["count"] and chat["tokens"][: bare["count"]] == bare["tokens"]
+    assert_pool_free(server)
+
+
+def test_bad_tokenize_requests_are_400s_or_404s_naming_the_field(server):
+    cases = [("/tokenize", {"model": "smollm2"}, 400, "prompt"),
+             ("/tokenize", {"model": "smollm2", "prompt": "a", "messages": MESSAGES}, 400, "prompt"),
+             ("/tokenize", {"model": "nope", "prompt": "a"}, 404, "nope"),
+             ("/detokenize", {"model": "smollm2", "tokens": [10**9]}, 400, "tokens"),
+             ("/detokenize", {"model": "smollm2", "tokens": ["a"]}, 400, "tokens")]  # fmt: skip
+    for path, body, status, needle in cases:
+        r = post(server, path, body)
+        assert r.status_code == status and needle in r.json()["error"]["message"], (body, r.text)
+
+
+def test_version_and_load(server):
+    assert httpx.get(f"{server.url}/version").json() == {"version": __version__}
+    assert httpx.get(f"{server.url}/load").json() == {"server_load": 0}
+    body = {"model": "smollm2", "prompt": "Count: 1, 2,", "max_tokens": 64, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert httpx.get(f"{server.url}/load").json() == {"server_load": 1}
+        assert sum(1 for _ in lines) > 64
+    assert httpx.get(f"{server.url}/load").json() == {"server_load": 0}
+    assert_pool_free(server)
