@@ -175,6 +175,14 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     return kw
 
 
+def _app_kwargs(args: argparse.Namespace, keys: list[str]) -> dict:
+    """build_app's options from `kvpage serve`'s (one server or a fleet's ingress)."""
+    return dict(served_model_name=args.served_model_name or args.model, api_key=keys or None,
+                max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+                max_prompts_per_request=args.max_prompts_per_request, salt_cache_per_key=args.salt_cache_per_key,
+                force_include_usage=args.enable_force_include_usage)  # fmt: skip
+
+
 def _serve_fleet(args, keys: list[str]) -> int:
     """`kvpage serve --replicas N`: N engines on Ray Serve behind --router (kvpage/fleet/ray_app.py)."""
     import signal
@@ -184,12 +192,8 @@ def _serve_fleet(args, keys: list[str]) -> int:
 
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
-    app_kwargs = dict(served_model_name=args.served_model_name or args.model, api_key=keys or None,
-                      max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
-                      max_prompts_per_request=args.max_prompts_per_request,
-                      salt_cache_per_key=args.salt_cache_per_key)  # fmt: skip
     spec = FleetSpec(_engine_kwargs(args), args.replicas, args.router, args.host, args.port,
-                     events=not args.no_kv_events, app_kwargs=app_kwargs)  # fmt: skip
+                     events=not args.no_kv_events, app_kwargs=_app_kwargs(args, keys))  # fmt: skip
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -221,10 +225,7 @@ def _serve(args) -> int:
     if args.replicas is not None:
         return _serve_fleet(args, keys)
     llm = _in_passing_thread(lambda: _make_llm(args))
-    app = build_app(llm.llm_engine, served_model_name=args.served_model_name or args.model, api_key=keys or None,
-                    max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
-                    max_prompts_per_request=args.max_prompts_per_request,
-                    salt_cache_per_key=args.salt_cache_per_key)  # fmt: skip
+    app = build_app(llm.llm_engine, **_app_kwargs(args, keys))
     engine = llm.llm_engine
     auth = f"{len(keys)} API key(s) required" if keys else "no API key"
     if args.salt_cache_per_key:
@@ -384,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep each API key's prefix cache apart, so no client can tell from /metrics or "
                    "timing what another client's prompts began with")  # fmt: skip
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream ends with a usage chunk, asked for or not (vLLM's flag)")  # fmt: skip
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request body may take to arrive, else 408 (default 30)")  # fmt: skip

@@ -46,6 +46,7 @@ def build_app(
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
     salt_cache_per_key: bool = False,
+    force_include_usage: bool = False,
 ):
     """The ASGI app over one LLMEngine in this process, or over another engine client (engine_client.py:
     a fleet's, with its own `metrics`: an object whose `render()` gives /metrics' body, awaitable or
@@ -63,7 +64,8 @@ def build_app(
         aengine = AsyncEngine(engine, on_output=metrics.observe, on_abort=metrics.aborted)
     else:
         aengine = client
-    serving = dict(max_prompts_per_request=max_prompts_per_request, salt_cache_per_key=salt_cache_per_key)
+    serving = dict(max_prompts_per_request=max_prompts_per_request, salt_cache_per_key=salt_cache_per_key,
+                   force_include_usage=force_include_usage)  # fmt: skip
     completions = CompletionServing(aengine, served_model_name, **serving)
     chat = ChatServing(aengine, served_model_name, **serving)
     tokens = TokenServing(aengine, served_model_name, **serving)

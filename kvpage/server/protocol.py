@@ -42,6 +42,7 @@ Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: every chunk carries the usage so far
 
 
 class _Common(BaseModel):

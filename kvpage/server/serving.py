@@ -73,6 +73,7 @@ class OpenAIServing:
         *,
         max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
         salt_cache_per_key: bool = False,
+        force_include_usage: bool = False,  # --enable-force-include-usage
     ) -> None:
         self.aengine = aengine
         self.engine = aengine.engine
@@ -80,6 +81,7 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         self.max_prompts_per_request = max_prompts_per_request
         self.salt_cache_per_key = salt_cache_per_key
+        self.force_include_usage = force_include_usage
 
     # ------------------------------------------------------------------ checks
     def check_model(self, name: str) -> None:
@@ -196,6 +198,13 @@ class OpenAIServing:
         return await until_disconnected(raw_request, collect())
 
     # ------------------------------------------------------------------ formatting
+    def stream_usage(self, req) -> tuple[bool, bool]:
+        """(a usage chunk ends the stream, every chunk carries the usage so far), as vLLM decides them:
+        stream_options.include_usage or --enable-force-include-usage; continuous_usage_stats."""
+        opts = req.stream_options
+        final = self.force_include_usage or bool(opts and opts.include_usage)
+        return final, final and bool(opts and opts.continuous_usage_stats)
+
     def prompt_logprobs_json(self, positions: list[PositionLogprobs | None] | None) -> list | None:
         """vLLM's prompt_logprobs: per prompt token, None (the first) or {token id: {logprob, rank, decoded_token}}."""
         if positions is None:

@@ -91,6 +91,14 @@ class _Run:
         sent: dict[int, tuple[int, int]] = {}
         done: set[int] = set()
         completion_tokens = cached = 0
+        final_usage, continuous = self.s.stream_usage(req)
+
+        def chunk(choices: list[dict]) -> dict:
+            body = self._chunk(choices)
+            if continuous:
+                body["usage"] = usage(len(self.ids), completion_tokens, cached)
+            return body
+
         async for _, out in outputs:
             cached = out.num_cached_tokens
             if req.use_beam_search and not out.finished:
@@ -100,7 +108,7 @@ class _Run:
                     continue
                 if c.index not in sent:
                     sent[c.index] = (0, 0)
-                    first = self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                    first = chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}])  # fmt: skip
                     yield self._extras(first, out) if c.index == 0 else first
                 n_text, n_tok = sent[c.index]
@@ -115,7 +123,7 @@ class _Run:
                     choice = {"index": c.index, "delta": {"content": delta}, "logprobs": lp, "finish_reason": None}
                     if req.return_token_ids:
                         choice["token_ids"] = token_ids
-                    yield self._chunk([choice])
+                    yield chunk([choice])
                     lp, token_ids = None, []
                 if c.finish_reason:
                     done.add(c.index)
@@ -123,8 +131,8 @@ class _Run:
                               "stop_reason": c.stop_reason}  # fmt: skip
                     if req.return_token_ids:
                         choice["token_ids"] = token_ids
-                    yield self._chunk([choice])
-        if req.stream_options and req.stream_options.include_usage:
+                    yield chunk([choice])
+        if final_usage:
             body = self._chunk([])
             body["usage"] = usage(len(self.ids), completion_tokens, cached)
             yield body

@@ -127,6 +127,8 @@ class _Run:
         done: set[int] = set()
         completion_tokens = 0
         cached: dict[int, int] = {}  # prompt index -> its cached prompt tokens
+        final_usage, continuous = self.s.stream_usage(req)
+        prompt_tokens = sum(len(t) for t in self.token_lists)
         async for i, out in outputs:
             cached[i] = out.num_cached_tokens
             beam = req.use_beam_search
@@ -153,10 +155,13 @@ class _Run:
                 sent[idx] = (len(c.text), len(c.token_ids))
                 if c.finish_reason:
                     done.add(idx)
-                yield self._body([choice])
-        if req.stream_options and req.stream_options.include_usage:
+                body = self._body([choice])
+                if continuous:
+                    body["usage"] = usage(prompt_tokens, completion_tokens, sum(cached.values()))
+                yield body
+        if final_usage:
             body = self._body([])
-            body["usage"] = usage(sum(len(t) for t in self.token_lists), completion_tokens, sum(cached.values()))
+            body["usage"] = usage(prompt_tokens, completion_tokens, sum(cached.values()))
             yield body
 
 
