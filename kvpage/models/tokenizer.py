@@ -87,22 +87,36 @@ class Tokenizer:
         """The conversation as the model's chat text (for display; to tokenize it, use `encode_chat`)."""
         return self._render(messages, add_generation_prompt)
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, continue_final_message: bool = False
+    ) -> list[int]:
         """The conversation's token ids, where only the template's own markup becomes control tokens:
         a message containing "<|im_end|>" is tokenized as that text, never as the control token (else
-        a user could open a system turn of their own)."""
+        a user could open a system turn of their own). `continue_final_message`: the last message is
+        left open (nothing of the template after its content), so the model continues it."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         nonce = secrets.token_hex(8)
         marked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} for i, m in enumerate(messages)]
         rendered = self._render(marked, add_generation_prompt)
         parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)
         contents = [str(m.get("content") or "") for m in messages]
-        if "".join(contents[int(p)] if i % 2 else p for i, p in enumerate(parts)) != self._render(
-            messages, add_generation_prompt
-        ):  # the template transforms content (strips it, say): it cannot be split around it
+        plain = self._render(messages, add_generation_prompt)
+        if "".join(contents[int(p)] if i % 2 else p for i, p in enumerate(parts)) != plain:
+            # the template transforms content (strips it, say): it cannot be split around it
             specials = [t for t in self.special_token_texts if any(t in c for c in contents)]
             if specials:
                 raise ValueError(f"message content must be text; it contains the control token {specials[0]!r}")
-            return self._encode_rendered(self._render(messages, add_generation_prompt))
+            if continue_final_message:
+                final = contents[-1].strip()
+                if not final or final not in plain:
+                    raise ValueError("continue_final_message: the final message's content is not in the chat text")
+                plain = plain[: plain.rindex(final) + len(final)]
+            return self._encode_rendered(plain)
+        if continue_final_message:
+            if len(parts) < 2 or int(parts[-2]) != len(messages) - 1:
+                raise ValueError("continue_final_message: the chat template does not end with the final message")
+            parts = parts[:-1]  # the template's text after the final message's content (its end of turn)
         ids = [self.bos_token_id] if self._needs_bos(rendered) else []
         for i, part in enumerate(parts):
             if part:

@@ -141,6 +141,11 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's: prefill the assistant's reply (continue_final_message with add_generation_prompt false), and
+    # echo the final message's content before what is generated when it is the reply's role
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    echo: StrictBool = False
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
@@ -150,7 +155,20 @@ class ChatCompletionRequest(_Common):
     def _top_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: only allowed when logprobs is true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be true with add_generation_prompt (set it false)")
         return self
+
+    @property
+    def reply_role(self) -> str:
+        """The role of the message the answer is: a new assistant turn, or the final message's own."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    @property
+    def echoed(self) -> str:
+        """The text `echo` puts before the generated text: the final message's, if it is the reply's role."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == self.reply_role else ""
 
 
 class TokenizeRequest(BaseModel):

@@ -25,7 +25,8 @@ class ChatServing(OpenAIServing):
         self.check_model(req.model)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message)  # fmt: skip
         except (ValueError, TemplateError) as e:
             raise APIError(400, f"messages: {e}", param="messages") from None
         eviction = self.eviction(req)
@@ -68,7 +69,7 @@ class _Run:
     def response(self, out: RequestOutput) -> dict:
         choices = []
         for c in out.outputs:
-            choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+            choice = {"index": c.index, "message": {"role": self.req.reply_role, "content": self.req.echoed + c.text},
                       "logprobs": self._logprobs(c, 0), "finish_reason": c.finish_reason,
                       "stop_reason": c.stop_reason}  # fmt: skip
             choice["token_ids"] = c.token_ids if self.req.return_token_ids else None
@@ -108,7 +109,7 @@ class _Run:
                     continue
                 if c.index not in sent:
                     sent[c.index] = (0, 0)
-                    first = chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                    first = chunk([{"index": c.index, "delta": {"role": req.reply_role, "content": req.echoed},
                                           "logprobs": None, "finish_reason": None}])  # fmt: skip
                     yield self._extras(first, out) if c.index == 0 else first
                 n_text, n_tok = sent[c.index]
