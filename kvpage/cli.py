@@ -180,7 +180,7 @@ def _app_kwargs(args: argparse.Namespace, keys: list[str]) -> dict:
     return dict(served_model_name=args.served_model_name or args.model, api_key=keys or None,
                 max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                 max_prompts_per_request=args.max_prompts_per_request, salt_cache_per_key=args.salt_cache_per_key,
-                force_include_usage=args.enable_force_include_usage)  # fmt: skip
+                force_include_usage=args.enable_force_include_usage, metrics_prefix=args.metrics_prefix)  # fmt: skip
 
 
 def _serve_fleet(args, keys: list[str]) -> int:
@@ -385,6 +385,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep each API key's prefix cache apart, so no client can tell from /metrics or "
                    "timing what another client's prompts began with")  # fmt: skip
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    p.add_argument(
+        "--metrics-prefix",
+        choices=["kvpage", "vllm"],
+        default="kvpage",
+        help="name /metrics' families kvpage:* (default) or vllm:*, for a vLLM dashboard as it is",
+    )
     p.add_argument("--enable-force-include-usage", action="store_true",
                    help="every stream ends with a usage chunk, asked for or not (vLLM's flag)")  # fmt: skip
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")

@@ -29,7 +29,7 @@ from kvpage.core.scheduler_output import SchedulerOutput
 from kvpage.core.step_update import RequestUpdate, SeqUpdate, StepResult
 from kvpage.engine.beam_search import BeamSearch
 from kvpage.engine.builder import build_engine
-from kvpage.engine.engine_stats import EngineStats
+from kvpage.engine.engine_stats import EngineStats, StepTokens
 from kvpage.engine.kv_verifier import KVVerifyReport, verify_kv_cache
 from kvpage.engine.output_processor import OutputProcessor, RequestState
 from kvpage.outputs import RequestOutput
@@ -67,6 +67,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0  # counters read by /metrics
         self.num_generation_tokens = 0
         self.num_steps = 0
+        self.step_tokens = StepTokens()  # tokens per step (/metrics' iteration_tokens_total)
         self.timings = {"schedule": 0.0, "execute": 0.0, "sample": 0.0}
         self.num_kv_verified_blocks = 0  # counted by verify_kv_cache, read by /metrics
         self.num_kv_mismatches = 0  # (a periodic check that could not run counts as one)
@@ -182,7 +183,8 @@ class LLMEngine:
         sched = self.scheduler
         return EngineStats(self.num_steps, self.kv_manager.stats(), len(sched.running), len(sched.waiting),
                            len(sched.swapped), sched.num_preemptions, self.num_prompt_tokens,
-                           self.num_generation_tokens, self.num_kv_verified_blocks, self.num_kv_mismatches)  # fmt: skip
+                           self.num_generation_tokens, self.num_kv_verified_blocks, self.num_kv_mismatches,
+                           self.step_tokens.frozen())  # fmt: skip
 
     def verify_kv_cache(self, sample: int = 4, seed: int = 0) -> KVVerifyReport:
         """Check the blocks in use (finite, in range) and, in deterministic mode, recompute `sample`
@@ -201,6 +203,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
+        self._note_scheduled(sched)
         try:
             run = self.runner.execute(sched) if sched.has_work else ModelRunnerOutput([], torch.empty(0))
         except Exception as e:  # noqa: BLE001 - the batch fails, the engine goes on
@@ -210,6 +213,16 @@ class LLMEngine:
         updates, advanced = self._process(sched, run)
         result = self.scheduler.update_from_output(sched, updates, run.attention_mass)
         return self._finish_step(result, advanced, (t0, t1, t2))
+
+    def _note_scheduled(self, sched: SchedulerOutput) -> None:
+        """When each request first ran (its queue time ends) and the step's size, for /metrics."""
+        if sched.sequences:
+            self.step_tokens.observe(sched.num_tokens)
+        now = time.monotonic()
+        for s in sched.sequences:
+            st = self._states.get(s.seq_id.request_id)
+            if st is not None and st.first_scheduled_time is None:
+                st.first_scheduled_time = now
 
     def _process(self, sched: SchedulerOutput, run: ModelRunnerOutput):
         """The engine's decisions for every request that produced logits: sample or beam-step, then

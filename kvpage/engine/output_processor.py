@@ -44,6 +44,7 @@ class RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     beam: BeamSearch | None = None
     arrival_time: float = 0.0
+    first_scheduled_time: float | None = None  # the first step that ran it (its queue time ends)
     first_token_time: float | None = None
     last_token_time: float | None = None
     itl: list[float] = field(default_factory=list)  # inter-token latencies not yet reported
@@ -150,8 +151,11 @@ class OutputProcessor:
             hold = max((len(s) for s in getattr(st.params, "stop", None) or []), default=1) - 1
             for seq in req.sequences:
                 outs.append(self._completion(st, seq, hold))
-        metrics = {"arrival_time": st.arrival_time, "first_token_time": st.first_token_time,
-                   "num_preemptions": req.num_preemptions, "inter_token_latencies": st.itl}  # fmt: skip
+        metrics = {"arrival_time": st.arrival_time, "first_scheduled_time": st.first_scheduled_time,
+                   "first_token_time": st.first_token_time, "last_token_time": st.last_token_time,
+                   "num_preemptions": req.num_preemptions, "inter_token_latencies": st.itl,
+                   "n": getattr(st.params, "n", None) or getattr(st.params, "beam_width", 1),
+                   "max_tokens": st.max_tokens}  # fmt: skip
         st.itl = []
         return RequestOutput(
             request_id=req.request_id,

@@ -25,7 +25,7 @@ from kvpage.server.async_engine import AsyncEngine
 from kvpage.server.auth import APIKeyAuth
 from kvpage.server.body_limit import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kvpage.server.errors import install_error_handlers
-from kvpage.server.metrics import Metrics
+from kvpage.server.metrics import PREFIXES, Metrics, renamed
 from kvpage.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvpage.server.serving import DEFAULT_MAX_PROMPTS_PER_REQUEST, ClientDisconnected
 from kvpage.server.serving_chat import ChatServing
@@ -47,6 +47,7 @@ def build_app(
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
     salt_cache_per_key: bool = False,
     force_include_usage: bool = False,
+    metrics_prefix: str = "kvpage",
 ):
     """The ASGI app over one LLMEngine in this process, or over another engine client (engine_client.py:
     a fleet's, with its own `metrics`: an object whose `render()` gives /metrics' body, awaitable or
@@ -57,6 +58,8 @@ def build_app(
         raise ValueError("an API key must not be empty (leave it unset to serve without authentication)")
     if salt_cache_per_key and not keys:
         raise ValueError("salt_cache_per_key needs API keys: without them every client is the same tenant")
+    if metrics_prefix not in PREFIXES:
+        raise ValueError(f"metrics_prefix must be one of {', '.join(PREFIXES)}, got {metrics_prefix!r}")
     if (engine is None) == (client is None):
         raise ValueError("build_app takes an engine or a client, not both")
     if engine is not None:
@@ -102,7 +105,8 @@ def build_app(
     @app.get("/metrics")
     async def prometheus():
         body = metrics.render()
-        return Response(await body if inspect.isawaitable(body) else body, media_type=CONTENT_TYPE_LATEST)
+        body = await body if inspect.isawaitable(body) else body
+        return Response(renamed(body, metrics_prefix), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
