@@ -193,7 +193,8 @@ def _serve_fleet(args, keys: list[str]) -> int:
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
     spec = FleetSpec(_engine_kwargs(args), args.replicas, args.router, args.host, args.port,
-                     events=not args.no_kv_events, app_kwargs=_app_kwargs(args, keys))  # fmt: skip
+                     events=not args.no_kv_events, app_kwargs=_app_kwargs(args, keys),
+                     root_path=args.root_path)  # fmt: skip
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -234,7 +235,7 @@ def _serve(args) -> int:
           f"({engine.dtype_reason}); {engine.kernels}", flush=True)  # fmt: skip
     if engine.kv_pool_note:
         print(f"kvpage serve: {engine.kv_pool_note}", flush=True)
-    status = serve(app, host=args.host, port=args.port, log_level=args.log_level)
+    status = serve(app, host=args.host, port=args.port, log_level=args.log_level, root_path=args.root_path)
     if status:
         print(f"kvpage serve: error: the engine stopped: {app.fastapi.state.async_engine.error!r}", file=sys.stderr)
     return status

@@ -501,6 +501,7 @@ class FleetSpec:
     threads_per_replica: int | None = None
     cpus_per_replica: float | None = None
     app_kwargs: dict = field(default_factory=dict)  # build_app's: served_model_name, api_key, ...
+    root_path: str = ""  # behind a proxy serving the fleet under this path prefix (and stripping it)
 
     def check(self) -> None:
         if self.replicas < 1:
@@ -561,7 +562,7 @@ class Fleet:
         self.index_name = f"kvpage-kv-index-{os.getpid()}-{time.time_ns()}"
         self.index = KVIndexActor.options(name=self.index_name, namespace=INDEX_NAMESPACE,
                                           max_restarts=-1).remote()  # fmt: skip
-        serve.start(http_options={"host": spec.host, "port": spec.port})
+        serve.start(http_options={"host": spec.host, "port": spec.port, "root_path": spec.root_path})
         try:
             serve.run(build_application(spec, self.index_name), name=APP_NAME, route_prefix="/", blocking=False)
         except RuntimeError as e:  # Serve says which deployment failed; its replicas' own error says why

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvpage import __version__
 from kvpage.engine.llm_engine import LLMEngine
 from kvpage.server.async_engine import AsyncEngine
-from kvpage.server.auth import APIKeyAuth
+from kvpage.server.auth import APIKeyAuth, route_path
 from kvpage.server.body_limit import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kvpage.server.errors import install_error_handlers
 from kvpage.server.metrics import PREFIXES, Metrics, renamed
@@ -179,7 +179,7 @@ class _ServerLoad:
 
     def wrap(self, app):
         async def counted(scope, receive, send):
-            if scope["type"] != "http" or scope.get("path") not in self.PATHS:
+            if scope["type"] != "http" or route_path(scope) not in self.PATHS:
                 return await app(scope, receive, send)
             self.in_flight += 1
             done = False

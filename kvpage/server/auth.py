@@ -22,6 +22,12 @@ def tenant_of(key: str) -> str:
     return hashlib.sha256(b"kvpage-tenant:" + key.encode()).hexdigest()[:32]
 
 
+def route_path(scope) -> str:
+    """The path the app routes on: without the server's --root-path (uvicorn puts it in front)."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
 class APIKeyAuth:
     def __init__(self, app, keys: list[str]) -> None:
         if not keys or any(not isinstance(k, str) or not k for k in keys):
@@ -30,7 +36,7 @@ class APIKeyAuth:
         self._keys = [(hashlib.sha256(k.encode()).digest(), tenant_of(k)) for k in keys]
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "lifespan" or (scope["type"] == "http" and scope.get("path") in OPEN_PATHS):
+        if scope["type"] == "lifespan" or (scope["type"] == "http" and route_path(scope) in OPEN_PATHS):
             return await self.app(scope, receive, send)
         header = b""
         for name, value in scope.get("headers") or ():

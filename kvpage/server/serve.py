@@ -24,8 +24,9 @@ class KvpageServer(uvicorn.Server):
         log_level: str = "warning",
         graceful_timeout: float = DEFAULT_GRACEFUL_TIMEOUT,
         exit_on_engine_death: bool = True,
+        root_path: str = "",  # behind a proxy that serves it under this path prefix (and strips it)
     ) -> None:
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, root_path=root_path,
                                 timeout_graceful_shutdown=graceful_timeout)  # fmt: skip
         super().__init__(config)
         self.aengine = app.fastapi.state.async_engine
@@ -48,8 +49,8 @@ class KvpageServer(uvicorn.Server):
             self.should_exit = True
 
 
-def serve(app, *, host: str, port: int, log_level: str = "warning") -> int:
+def serve(app, *, host: str, port: int, log_level: str = "warning", root_path: str = "") -> int:
     """Serve until a signal or the engine's death; the exit status (1 if the engine died)."""
-    server = KvpageServer(app, host=host, port=port, log_level=log_level)
+    server = KvpageServer(app, host=host, port=port, log_level=log_level, root_path=root_path)
     server.run()
     return 1 if server.engine_died else 0

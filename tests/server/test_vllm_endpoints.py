@@ -57,3 +57,22 @@ def test_version_and_load(server):
         assert sum(1 for _ in lines) > 64
     assert httpx.get(f"{server.url}/load").json() == {"server_load": 0}
     assert_pool_free(server)
+
+
+def test_behind_a_path_prefix_proxy_root_path_routes_checks_keys_and_counts_as_before():
+    from tests.server.conftest import start_server, stop_server
+
+    s = start_server(api_key="k", server_kw={"root_path": "/kv"})
+    try:  # requests arrive as the proxy forwards them: the prefix stripped
+        assert httpx.get(f"{s.url}/health").status_code == 200  # open without a key, as without the prefix
+        assert httpx.get(f"{s.url}/v1/models").status_code == 401
+        c = openai.OpenAI(base_url=s.base_url, api_key="k", max_retries=0, timeout=60)
+        assert c.completions.create(model="smollm2", prompt="Hi", max_tokens=2, temperature=0).choices[0].text
+        spec = httpx.get(f"{s.url}/openapi.json", headers={"Authorization": "Bearer k"}).json()
+        assert httpx.get(f"{s.url}/openapi.json").status_code == 401
+        assert spec["servers"] == [{"url": "/kv"}]  # what a generated client puts in front
+        key = {"Authorization": "Bearer k"}
+        assert httpx.get(f"{s.url}/load", headers=key).json() == {"server_load": 0}
+        assert_pool_free(s, headers=key)
+    finally:
+        stop_server(s)
