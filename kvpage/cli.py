@@ -180,7 +180,8 @@ def _app_kwargs(args: argparse.Namespace, keys: list[str]) -> dict:
     return dict(served_model_name=args.served_model_name or args.model, api_key=keys or None,
                 max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                 max_prompts_per_request=args.max_prompts_per_request, salt_cache_per_key=args.salt_cache_per_key,
-                force_include_usage=args.enable_force_include_usage, metrics_prefix=args.metrics_prefix)  # fmt: skip
+                force_include_usage=args.enable_force_include_usage, metrics_prefix=args.metrics_prefix,
+                return_tokens_as_token_ids=args.return_tokens_as_token_ids)  # fmt: skip
 
 
 def _serve_fleet(args, keys: list[str]) -> int:
@@ -386,6 +387,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep each API key's prefix cache apart, so no client can tell from /metrics or "
                    "timing what another client's prompts began with")  # fmt: skip
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    p.add_argument("--root-path", default="", metavar="PATH",
+                   help="served under this path prefix by a proxy that strips it (vLLM's --root-path); "
+                   "the OpenAPI document names it")  # fmt: skip
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprobs name each token "token_id:N" instead of its text (vLLM\'s; a request may '
+                   "say otherwise)")  # fmt: skip
     p.add_argument(
         "--metrics-prefix",
         choices=["kvpage", "vllm"],

@@ -175,3 +175,13 @@ def test_vllm_serve_spellings_are_the_same_options():
     assert kw["max_model_len"] == 512 and kw["kv_cache_dtype"] == "int8" and args.served_model_name == "foo"
     for flags, on in ([], True), (["--enable-prefix-caching"], True), (["--no-prefix-caching"], False):
         assert _engine_kwargs(p.parse_args(["serve", *flags]))["enable_prefix_caching"] is on
+
+
+def test_serve_options_reach_the_app():
+    from kvpage.cli import _app_kwargs, build_parser
+
+    args = build_parser().parse_args(["serve", "--root-path", "/kv", "--metrics-prefix", "vllm",
+                                      "--return-tokens-as-token-ids", "--enable-force-include-usage"])  # fmt: skip
+    kw = _app_kwargs(args, [])
+    assert kw["metrics_prefix"] == "vllm" and kw["return_tokens_as_token_ids"] and kw["force_include_usage"]
+    assert args.root_path == "/kv" and kw["api_key"] is None

@@ -48,6 +48,7 @@ def build_app(
     salt_cache_per_key: bool = False,
     force_include_usage: bool = False,
     metrics_prefix: str = "kvpage",
+    return_tokens_as_token_ids: bool = False,
 ):
     """The ASGI app over one LLMEngine in this process, or over another engine client (engine_client.py:
     a fleet's, with its own `metrics`: an object whose `render()` gives /metrics' body, awaitable or
@@ -68,7 +69,8 @@ def build_app(
     else:
         aengine = client
     serving = dict(max_prompts_per_request=max_prompts_per_request, salt_cache_per_key=salt_cache_per_key,
-                   force_include_usage=force_include_usage)  # fmt: skip
+                   force_include_usage=force_include_usage,
+                   return_tokens_as_token_ids=return_tokens_as_token_ids)  # fmt: skip
     completions = CompletionServing(aengine, served_model_name, **serving)
     chat = ChatServing(aengine, served_model_name, **serving)
     tokens = TokenServing(aengine, served_model_name, **serving)

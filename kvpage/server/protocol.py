@@ -73,6 +73,7 @@ class _Common(BaseModel):
     use_beam_search: StrictBool = False  # n is the beam width
     length_penalty: Number = 1.0
     return_token_ids: StrictBool = False
+    return_tokens_as_token_ids: StrictBool | None = None  # logprobs name tokens "token_id:N" (default: the server's)
     cache_salt: Text | None = Field(None, min_length=1)
     # kvpage's extension: this request's eviction policy (core/eviction/), e.g. {"policy": "streaming",
     # "sink_tokens": 4, "window_tokens": 1020} or "h2o:heavy_tokens=256,recent_tokens=256" or "none"

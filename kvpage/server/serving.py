@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable
 from fastapi import Request
 
 from kvpage.errors import ParameterError
-from kvpage.outputs import PositionLogprobs, RequestOutput
+from kvpage.outputs import Logprob, PositionLogprobs, RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams, parse_kv_eviction
 from kvpage.server.async_engine import AsyncEngine, EngineUnavailable
 from kvpage.server.errors import APIError
@@ -74,6 +74,7 @@ class OpenAIServing:
         max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
         salt_cache_per_key: bool = False,
         force_include_usage: bool = False,  # --enable-force-include-usage
+        return_tokens_as_token_ids: bool = False,  # --return-tokens-as-token-ids: every request's default
     ) -> None:
         self.aengine = aengine
         self.engine = aengine.engine
@@ -82,6 +83,7 @@ class OpenAIServing:
         self.max_prompts_per_request = max_prompts_per_request
         self.salt_cache_per_key = salt_cache_per_key
         self.force_include_usage = force_include_usage
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
 
     # ------------------------------------------------------------------ checks
     def check_model(self, name: str) -> None:
@@ -213,13 +215,22 @@ class OpenAIServing:
                                                    "decoded_token": lp.decoded_token} for t, lp in pos.items()}
                 for pos in positions]  # fmt: skip
 
+    def token_label(self, req, token_id: int, decoded: str | None = None) -> str:
+        """A token as logprobs name it: its text, or "token_id:N" (vLLM's return_tokens_as_token_ids, for
+        tokens that are not whole characters)."""
+        as_ids = req.return_tokens_as_token_ids
+        if as_ids if as_ids is not None else self.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        return decoded if decoded is not None else self.token_text(token_id)
+
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def top_entries(pos: PositionLogprobs, k: int) -> list:
-    """The k most likely entries of one position, best first (the chosen token may rank lower)."""
-    return sorted((lp for lp in pos.values() if lp.rank is not None and lp.rank <= k), key=lambda lp: lp.rank)
+def top_entries(pos: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely (token id, entry) of one position, best first (the chosen token may rank lower)."""
+    top = [(t, lp) for t, lp in pos.items() if lp.rank is not None and lp.rank <= k]
+    return sorted(top, key=lambda item: item[1].rank)  # type: ignore[arg-type, return-value]
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:

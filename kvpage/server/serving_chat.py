@@ -52,9 +52,11 @@ class _Run:
             return None
         k, content = self.req.top_logprobs or 0, []
         for tok, pos in zip(c.token_ids[start:], (c.logprobs or [])[start:], strict=False):
-            text = self.s.token_text(tok)
-            top = [{"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list((lp.decoded_token or "").encode())}
-                   for lp in top_entries(pos, k)]  # fmt: skip
+            text = self.s.token_label(self.req, tok)
+            top = []
+            for t, lp in top_entries(pos, k):
+                label = self.s.token_label(self.req, t, lp.decoded_token or "")
+                top.append({"token": label, "logprob": lp.logprob, "bytes": list(label.encode())})
             content.append({"token": text, "logprob": pos[tok].logprob, "bytes": list(text.encode()),
                             "top_logprobs": top})  # fmt: skip
         return {"content": content}

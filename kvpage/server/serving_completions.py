@@ -71,7 +71,8 @@ class _Run:
         tokens, token_lps, tops, offsets = [], [], [], []
         for tok, pos in zip(token_ids, positions, strict=False):
             text = s.token_text(tok)
-            tokens.append(text)
+            label = s.token_label(self.req, tok, text)
+            tokens.append(label)
             offsets.append(offset)
             offset += len(text)
             if pos is None or tok not in pos:
@@ -79,8 +80,9 @@ class _Run:
                 tops.append(None)
                 continue
             token_lps.append(pos[tok].logprob)
-            top = {lp.decoded_token: lp.logprob for lp in top_entries(pos, k)}
-            top.setdefault(text, pos[tok].logprob)  # the sampled token is always there
+            top = {label: pos[tok].logprob}  # the sampled token always there, and first (as vLLM orders it)
+            for t, lp in top_entries(pos, k):
+                top.setdefault(s.token_label(self.req, t, lp.decoded_token), lp.logprob)
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 

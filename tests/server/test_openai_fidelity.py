@@ -287,3 +287,21 @@ def test_a_streaming_llm_request_runs_past_the_context(server, client):
     assert chunks[-1].choices[0].finish_reason == "length"  # H2O keeps the original positions: within max_model_len
     assert server.engine.cache_stats().evicted_tokens > before
     assert_pool_free(server)
+
+
+def test_return_tokens_as_token_ids_names_tokens_by_id_and_the_sampled_one_comes_first(client):
+    as_ids = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
+                                  extra_body=as_ids)  # fmt: skip
+    lp, ids = r.choices[0].logprobs, r.choices[0].token_ids
+    assert lp.tokens == [f"token_id:{t}" for t in ids]
+    for token, top in zip(lp.tokens, lp.top_logprobs, strict=True):
+        assert next(iter(top)) == token and all(k.startswith("token_id:") for k in top)
+    plain = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    assert "".join(plain.choices[0].logprobs.tokens) == plain.choices[0].text
+    assert [next(iter(top)) for top in plain.choices[0].logprobs.top_logprobs] == plain.choices[0].logprobs.tokens
+    chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=2, extra_body=as_ids)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in chat.choices[0].token_ids]
+    assert all(t.token.startswith("token_id:") for c in content for t in c.top_logprobs)
