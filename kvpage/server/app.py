@@ -11,6 +11,7 @@ bounds in size and time (body_limit.py), then FastAPI. serve.py runs it (signals
 from __future__ import annotations
 
 import inspect
+import json
 import time
 import uuid
 from dataclasses import asdict
@@ -145,7 +146,10 @@ def build_app(
         """vLLM's: the generation requests in flight (streams until their last chunk)."""
         return {"server_load": load.in_flight}
 
-    asgi = BodyLimit(load.wrap(app), max_body_bytes, body_timeout)
+    inner = load.wrap(app)
+    if engine is not None:
+        inner = _OrcaLoadHeader(inner, engine)
+    asgi = BodyLimit(inner, max_body_bytes, body_timeout)
     if keys:
         asgi = APIKeyAuth(asgi, keys)
     asgi = _EchoRequestId(asgi)
@@ -200,6 +204,34 @@ class _ServerLoad:
                     self.in_flight -= 1
 
         return counted
+
+
+class _OrcaLoadHeader:
+    """ORCA load reports, as vLLM sends them to load-aware gateways (Envoy): a completion or chat request
+    with `endpoint-load-metrics-format: text|json` gets an `endpoint-load-metrics` response header with
+    the KV cache's usage and the requests waiting, from the engine's latest snapshot."""
+
+    def __init__(self, app, engine: LLMEngine) -> None:
+        self.app, self.engine = app, engine
+
+    async def __call__(self, scope, receive, send):
+        fmt = next((v for k, v in scope.get("headers") or () if k == b"endpoint-load-metrics-format"), b"").lower()
+        if scope["type"] != "http" or fmt not in (b"text", b"json") or route_path(scope) not in _ServerLoad.PATHS:
+            return await self.app(scope, receive, send)
+
+        async def send_with_load(message):
+            if message["type"] == "http.response.start":
+                snap = self.engine.snapshot
+                named = {"kv_cache_usage_perc": snap.cache.usage, "num_requests_waiting": snap.num_waiting}
+                if fmt == b"json":
+                    value = "JSON " + json.dumps({"named_metrics": named})
+                else:
+                    value = "TEXT " + ", ".join(f"named_metrics.{k}={v}" for k, v in named.items())
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"endpoint-load-metrics", value.encode())]}  # fmt: skip
+            await send(message)
+
+        await self.app(scope, receive, send_with_load)
 
 
 class _EchoRequestId:

@@ -3,6 +3,8 @@ tokenizer and chat template), /version, /load (generation requests in flight).""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 
@@ -76,3 +78,17 @@ def test_behind_a_path_prefix_proxy_root_path_routes_checks_keys_and_counts_as_b
         assert_pool_free(s, headers=key)
     finally:
         stop_server(s)
+
+
+def test_orca_load_headers_report_the_cache_and_the_queue(server):
+    body = {"model": "smollm2", "prompt": "Hi", "max_tokens": 1}
+    text = httpx.post(f"{server.url}/v1/completions", json=body, headers={"endpoint-load-metrics-format": "text"})
+    value = text.headers["endpoint-load-metrics"]
+    assert value.startswith("TEXT ") and "named_metrics.kv_cache_usage_perc=" in value
+    assert "named_metrics.num_requests_waiting=" in value
+    as_json = httpx.post(f"{server.url}/v1/completions", json=body, headers={"endpoint-load-metrics-format": "JSON"})
+    kind, _, payload = as_json.headers["endpoint-load-metrics"].partition(" ")
+    named = json.loads(payload)["named_metrics"]
+    assert kind == "JSON" and 0 <= named["kv_cache_usage_perc"] <= 1 and named["num_requests_waiting"] >= 0
+    assert "endpoint-load-metrics" not in httpx.post(f"{server.url}/v1/completions", json=body).headers
+    assert_pool_free(server)
