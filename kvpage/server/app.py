@@ -27,6 +27,7 @@ from kvpage.server.auth import APIKeyAuth, route_path
 from kvpage.server.body_limit import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kvpage.server.errors import install_error_handlers
 from kvpage.server.metrics import PREFIXES, Metrics, renamed
+from kvpage.server.openapi import install_openapi
 from kvpage.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvpage.server.serving import DEFAULT_MAX_PROMPTS_PER_REQUEST, ClientDisconnected
 from kvpage.server.serving_chat import ChatServing
@@ -88,6 +89,7 @@ def build_app(
     app.state.async_engine = aengine
     app.state.metrics = metrics
     install_error_handlers(app)
+    install_openapi(app)
 
     async def answered(work):
         try:

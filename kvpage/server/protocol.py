@@ -26,7 +26,7 @@ from pydantic import (
 from kvpage.sampling_params import MAX_LOGPROBS
 
 MAX_N = 16
-Number = StrictInt | StrictFloat
+Number = StrictFloat  # a JSON number: integers are taken (as floats), booleans and strings are not
 
 
 def _valid_unicode(s: str) -> str:
@@ -198,3 +198,16 @@ class DetokenizeRequest(BaseModel):
 
     model: Text | None = None
     tokens: list[StrictInt] = Field(min_length=0)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: every 4xx and 5xx the server sends."""
+
+    error: ErrorDetail

@@ -1,0 +1,50 @@
+"""The OpenAPI document at /openapi.json, made to describe the server as it answers: the error
+responses it really sends (OpenAI's error body, 400 for every invalid request: never FastAPI's 422),
+/metrics as Prometheus text. Ranges come from the request models (protocol.py) as JSON Schema's
+minimum / maximum / exclusiveMinimum."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from kvpage.server.protocol import ErrorResponse
+
+ERRORS = {
+    400: "an invalid request (the message names the field), or one that can never fit",
+    401: "a missing or wrong API key (with --api-key)",
+    404: "another model than the one served, or no such endpoint",
+    408: "the request body took longer than --body-timeout to arrive",
+    413: "the request body is larger than --max-body-bytes",
+    503: "the server is shutting down, or its engine died",
+}
+POSTS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+
+
+def install_openapi(app: FastAPI) -> None:
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        spec = get_openapi(title=app.title, version=app.version, routes=app.routes, servers=app.servers)
+        schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+        error = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(error.pop("$defs", {}))
+        schemas["ErrorResponse"] = error
+        body = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+        for path, ops in spec.get("paths", {}).items():
+            for op in ops.values():
+                responses = op.setdefault("responses", {})
+                responses.pop("422", None)
+                codes = list(ERRORS) if path in POSTS else [401, 404, 503] if path != "/health" else [503]
+                for code in codes:
+                    responses.setdefault(str(code), {"description": ERRORS[code], "content": body})
+        schemas.pop("HTTPValidationError", None)
+        schemas.pop("ValidationError", None)
+        metrics = spec.get("paths", {}).get("/metrics", {}).get("get")
+        if metrics is not None:
+            metrics["responses"]["200"] = {"description": "Prometheus text exposition format",
+                                           "content": {"text/plain": {"schema": {"type": "string"}}}}  # fmt: skip
+        app.openapi_schema = spec
+        return spec
+
+    app.openapi = openapi  # type: ignore[method-assign]
