@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from kvpage.server.protocol import ErrorResponse
+from kvpage.server.responses import RESPONSES
 
 ERRORS = {
     400: "an invalid request (the message names the field), or one that can never fit",
@@ -31,9 +32,26 @@ def install_openapi(app: FastAPI) -> None:
         schemas.update(error.pop("$defs", {}))
         schemas["ErrorResponse"] = error
         body = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+        for model in {*RESPONSES.values()}:
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
         for path, ops in spec.get("paths", {}).items():
             for op in ops.values():
                 responses = op.setdefault("responses", {})
+                if path in RESPONSES:
+                    ok = responses.setdefault("200", {"description": "OK"})
+                    content = {
+                        "application/json": {"schema": {"$ref": f"#/components/schemas/{RESPONSES[path].__name__}"}}
+                    }
+                    if path in ("/v1/completions", "/v1/chat/completions"):
+                        content["text/event-stream"] = {
+                            "schema": {
+                                "type": "string",
+                                "description": "with stream: true, server-sent events of chunks, then data: [DONE]",
+                            }
+                        }
+                    ok["content"] = content
                 responses.pop("422", None)
                 codes = list(ERRORS) if path in POSTS else [401, 404, 503] if path != "/health" else [503]
                 for code in codes:

@@ -39,3 +39,33 @@ def test_the_spec_states_ranges_errors_and_content_types(server):
     edges = {"model": "smollm2", "prompt": "hi", "top_p": 1, "temperature": 2, "max_tokens": 1}
     ok = httpx.post(f"{server.url}/v1/completions", json=edges, timeout=30)
     assert ok.status_code == 200  # the spec's bounds are the server's, both ends included where it says so
+
+
+def test_every_answer_is_what_the_spec_says_it_is(server):
+    from kvpage.server import responses as r
+
+    spec = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
+    for path, model in r.RESPONSES.items():
+        op = next(iter(spec["paths"][path].values()))
+        ref = op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{model.__name__}" and model.__name__ in spec["components"]["schemas"]
+
+    def post(path, body):
+        resp = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+
+    base = {"model": "smollm2", "max_tokens": 3, "temperature": 0}
+    chat = {**base, "messages": [{"role": "user", "content": "Hi"}]}
+    for body in ({**base, "prompt": "The sky is"}, {**base, "prompt": ["a", "b"], "logprobs": 2, "echo": True},
+                 {**base, "prompt": [1, 2, 3], "return_token_ids": True, "prompt_logprobs": 1, "n": 2,
+                  "temperature": 1.0, "seed": 3}):  # fmt: skip
+        r.CompletionResponse.model_validate(post("/v1/completions", body))
+    for body in (chat, {**chat, "logprobs": True, "top_logprobs": 2}, {**chat, "return_token_ids": True,
+                                                                       "prompt_logprobs": 1}):  # fmt: skip
+        r.ChatCompletionResponse.model_validate(post("/v1/chat/completions", body))
+    r.ModelList.model_validate(httpx.get(f"{server.url}/v1/models").json())
+    r.TokenizeResponse.model_validate(post("/tokenize", {"prompt": "hi", "return_token_strs": True}))
+    r.DetokenizeResponse.model_validate(post("/detokenize", {"tokens": [1, 2]}))
+    for path, model in (("/health", r.Health), ("/version", r.Version), ("/load", r.ServerLoad)):
+        model.model_validate(httpx.get(f"{server.url}{path}").json())
