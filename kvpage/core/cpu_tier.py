@@ -58,12 +58,9 @@ class CpuTier:
             return  # a tier whose blocks are all being read is full
         if self.pool.prefix_cache.lookup(key.digest, key.token_ids) is not None:  # type: ignore[union-attr]
             return
-        (tb,) = self.pool.allocate(1)  # type: ignore[misc]  # the oldest copy makes room
-        self.pool.prefix_cache.register(tb, key)  # type: ignore[union-attr]
+        tb = self._take(key)
         self.pool.decref(tb)  # free and registered: hittable until the tier hands it out again
         self._offloads.append((block.block_id, tb.block_id))
-        if self.events is not None:
-            self.events.stored(key, CPU)
 
     def land(self, key: CacheKey, payload: bytes) -> int | None:
         """A block fetched from the shared tier (remote_tier.py): a tier block registered under `key`,
@@ -71,13 +68,18 @@ class CpuTier:
         `payload` into it). None when every tier block is pinned."""
         if not self.pool.num_free:
             return None
-        (tb,) = self.pool.allocate(1)  # type: ignore[misc]  # the oldest copy makes room
-        self.pool.prefix_cache.register(tb, key)  # type: ignore[union-attr]
+        tb = self._take(key)
         self._pinned.append(tb)
         self._imports.append((tb.block_id, payload))
+        return tb.block_id
+
+    def _take(self, key: CacheKey) -> Block:
+        """A tier block (the oldest copy makes room) registered under `key`, referenced, announced."""
+        (tb,) = self.pool.allocate(1)  # type: ignore[misc]
+        self.pool.prefix_cache.register(tb, key)  # type: ignore[union-attr]
         if self.events is not None:
             self.events.stored(key, CPU)
-        return tb.block_id
+        return tb
 
     def restore(
         self, hits: dict[int, int], gpu: BlockPool, register: Callable[[Block, CacheKey], None]

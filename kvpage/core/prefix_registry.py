@@ -106,7 +106,7 @@ class PrefixRegistry:
             if block is None:
                 tier_block = self.tier.lookup(digest, chunk) if self.tier is not None else None
                 if tier_block is None:
-                    if remote and self.remote is not None:
+                    if remote and self.remote is not None and self.remote.available:  # (down: no hashing)
                         rest = [(digest, chunk)] + [(d, tuple(servable[j * bs : (j + 1) * bs]))
                                                     for j, d in enumerate(digests, i + 1)]  # fmt: skip
                         self._fetch(prefix, rest)
