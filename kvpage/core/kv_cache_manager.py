@@ -30,6 +30,7 @@ from kvpage.core.block_table import BlockTable, SlotAllocation, check_tables, gr
 from kvpage.core.cache_stats import CacheStats, collect_stats
 from kvpage.core.eviction import NO_EVICTION, EvictionPolicy, EvictionWindows
 from kvpage.core.invariants import InvariantError, check_all
+from kvpage.core.memory_map import MemoryMap, block_states, table_map
 from kvpage.core.prefix_cache import PrefixCache
 from kvpage.core.prefix_registry import CachedPrefix, PrefixRegistry, TierTransfers
 from kvpage.core.remote_tier import RemoteTier
@@ -352,6 +353,12 @@ class KVCacheManager:
         return collect_stats(self.pool, self.swap.pool, self.prefix.cache, self.prefix.tier, self.bytes_per_block,
                              logical_blocks=logical, num_seqs=on_gpu, num_swapped_seqs=len(self._tables) - on_gpu,
                              evicted_tokens=self.eviction.num_evicted_tokens)  # fmt: skip
+
+    def memory_map(self) -> MemoryMap:
+        """Every block's state and every block table (memory_map.py), for the dashboard."""
+        tables = sorted((table_map(k, t) for k, t in self._tables.items()), key=lambda m: (m.request_id, m.index))
+        return MemoryMap(self.block_size, block_states(self.pool), block_states(self.swap.pool),
+                         block_states(self.prefix.tier_pool), tuple(tables))  # fmt: skip
 
     def check_invariants(self, token_ids: dict[SeqId, Sequence[int]] | None = None) -> None:
         """Recompute every component's bookkeeping from scratch and compare; raise InvariantError.
