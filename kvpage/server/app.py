@@ -1,5 +1,6 @@
 """The OpenAI-compatible app: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics,
-and /v1/kv_events (+ /snapshot): the blocks this replica's KV cache holds, as vLLM-style events.
+/v1/kv_events (+ /snapshot): the blocks this replica's KV cache holds, as vLLM-style events, and
+/dashboard: a live picture of the KV cache (dashboard.py).
 
 Every request of every client goes to one AsyncEngine, which batches them together; the endpoint
 families live in serving_completions.py and serving_chat.py. Errors use OpenAI's body (errors.py),
@@ -25,6 +26,7 @@ from kvpage.engine.llm_engine import LLMEngine
 from kvpage.server.async_engine import AsyncEngine
 from kvpage.server.auth import APIKeyAuth, route_path
 from kvpage.server.body_limit import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, BodyLimit
+from kvpage.server.dashboard import EngineFeed, install_dashboard
 from kvpage.server.errors import install_error_handlers
 from kvpage.server.metrics import PREFIXES, Metrics, renamed
 from kvpage.server.openapi import install_openapi
@@ -51,10 +53,12 @@ def build_app(
     force_include_usage: bool = False,
     metrics_prefix: str = "kvpage",
     return_tokens_as_token_ids: bool = False,
+    dashboard=None,
 ):
     """The ASGI app over one LLMEngine in this process, or over another engine client (engine_client.py:
     a fleet's, with its own `metrics`: an object whose `render()` gives /metrics' body, awaitable or
-    not). `api_key`: one key or several (each client uses one); None: no authentication.
+    not) and, optionally, its `dashboard` feed (dashboard.py: an object whose `pictures()` gives /dashboard's
+    pictures). `api_key`: one key or several (each client uses one); None: no authentication.
     `app.state.async_engine` (on the FastAPI app, `.fastapi` of what is returned) is the engine client."""
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if api_key is not None and (not keys or any(not k for k in keys)):
@@ -68,6 +72,8 @@ def build_app(
     if engine is not None:
         metrics = Metrics(engine, served_model_name)
         aengine = AsyncEngine(engine, on_output=metrics.observe, on_abort=metrics.aborted)
+        dashboard = EngineFeed(engine, wake=aengine.wake)
+        aengine.between_steps.append(dashboard)
     else:
         aengine = client
     serving = dict(max_prompts_per_request=max_prompts_per_request, salt_cache_per_key=salt_cache_per_key,
@@ -88,6 +94,7 @@ def build_app(
     app = FastAPI(title="kvpage", lifespan=lifespan)
     app.state.async_engine = aengine
     app.state.metrics = metrics
+    app.state.dashboard = dashboard
     install_error_handlers(app)
     install_openapi(app)
 
@@ -121,6 +128,8 @@ def build_app(
 
     if engine is not None:
         _kv_event_routes(app, engine)
+    if dashboard is not None:
+        install_dashboard(app, dashboard, closing=lambda: aengine.closing or not aengine.alive)
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request):

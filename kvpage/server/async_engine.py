@@ -44,7 +44,7 @@ class AsyncEngine:
         self.on_output = on_output  # called in the engine thread for every output (metrics)
         self.on_abort = on_abort  # called in the engine thread with the id of every aborted request
         self.on_death = None  # called in the engine thread if it dies
-        self.between_steps = None  # called in the engine thread after every step, and when idle (~2/s)
+        self.between_steps: list = []  # each called in the engine thread after every step, and when idle (~2/s)
         self.closing = False
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
@@ -104,6 +104,10 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    def wake(self) -> None:
+        """Run the loop now (its hooks included) instead of at the end of an idle wait."""
+        self._wake.set()
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
         self._wake.set()
@@ -144,8 +148,8 @@ class AsyncEngine:
                         if self.on_output is not None:
                             self.on_output(out)
                         self._deliver(out.request_id, out)
-                if self.between_steps is not None:
-                    self.between_steps()
+                for hook in self.between_steps:
+                    hook()
         except BaseException as e:  # noqa: BLE001 - report to every waiting client, then stop
             self.error = e
             for rid in list(self._streams):

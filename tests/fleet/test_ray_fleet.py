@@ -5,6 +5,7 @@ mid-request (only its requests fail, and what it computed is still served from t
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -119,6 +120,31 @@ def test_a_shared_prefix_goes_where_its_blocks_are_and_the_client_sees_the_hit(f
     for r in trusted(fleet):  # every replica's own metrics, labelled with it; nothing left in use
         wait_for(lambda r=r: scrape(fleet)["kvpage:kv_cache_blocks{replica=" + r + ",state=used}"] == 0, 10,
                  f"replica {r} idle")  # fmt: skip
+
+
+def test_the_dashboard_shows_the_replicas_as_the_index_sees_them(fleet):
+    from tests.browser import start_browser
+    from tests.browser import wait_for as wait_for_page
+
+    base = fleet.url.removesuffix("/v1")
+    with httpx.stream("GET", f"{base}/dashboard/events", timeout=30) as events:
+        assert events.headers["content-type"].startswith("text/event-stream")
+        line = next(ln for ln in events.iter_lines() if ln.startswith("data: "))
+    pic = json.loads(line[len("data: ") :])
+    assert pic["memory"] is None and pic["fleet"]["routed"] == fleet.stats()["routed"]
+    replicas = {r["replica"]: r for r in pic["fleet"]["replicas"]}
+    assert sorted(r for r, v in replicas.items() if v["trusted"]) == trusted(fleet)
+    assert all(0.0 <= v["usage"] <= 1.0 and v["load"]["requests"] >= 0 for v in replicas.values())
+    driver = start_browser()
+    try:
+        driver.get(f"{base}/dashboard")
+        wait_for_page(driver, "document.querySelectorAll('#replicas tr').length === 2", 30, "both replicas")
+        rows = "[...document.querySelectorAll('#replicas tr')]"
+        shown = driver.execute_script(f"return {rows}.map((r) => r.dataset.replica);")
+        assert sorted(shown) == sorted(replicas)
+        assert not driver.find_element("id", "engine").is_displayed()  # no one engine's pool to draw here
+    finally:
+        driver.quit()
 
 
 def test_every_router_is_a_deployment_config_ray_serve_accepts():
