@@ -236,6 +236,9 @@ def _serve(args) -> int:
           f"({engine.dtype_reason}); {engine.kernels}", flush=True)  # fmt: skip
     if engine.kv_pool_note:
         print(f"kvpage serve: {engine.kv_pool_note}", flush=True)
+    key_hint = "?api_key=KEY" if keys else ""
+    print(f"kvpage serve: the KV cache, live: http://{args.host}:{args.port}{args.root_path}/dashboard{key_hint}",
+          flush=True)  # fmt: skip
     status = serve(app, host=args.host, port=args.port, log_level=args.log_level, root_path=args.root_path)
     if status:
         print(f"kvpage serve: error: the engine stopped: {app.fastapi.state.async_engine.error!r}", file=sys.stderr)

@@ -53,7 +53,11 @@ def test_a_signal_stops_the_server_within_seconds_while_requests_run(sig):
             with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True}, timeout=120) as r:
                 answers.append([line for line in r.iter_lines() if line.startswith("data: ")])
 
-        clients = [threading.Thread(target=plain) for _ in range(3)] + [threading.Thread(target=streaming)]
+        def watching():  # an open dashboard must not hold the server past its shutdown either
+            with httpx.stream("GET", f"{url}/dashboard/events", timeout=60) as r:
+                answers.append(("dashboard", sum(line.startswith("data: ") for line in r.iter_lines())))
+
+        clients = [threading.Thread(target=f) for f in (plain, plain, plain, streaming, watching)]
         for t in clients:
             t.start()
         time.sleep(2.0)  # the requests are running
@@ -69,6 +73,8 @@ def test_a_signal_stops_the_server_within_seconds_while_requests_run(sig):
         assert statuses == [503, 503, 503]
         assert all("shutting down" in a.json()["error"]["message"] for a in answers if isinstance(a, httpx.Response))
         (events,) = [a for a in answers if isinstance(a, list)]
+        (pictures,) = [a[1] for a in answers if isinstance(a, tuple)]
+        assert pictures >= 1  # it was fed while the requests ran, then it ended with the server
         assert events[-1] == "data: [DONE]" and "shutting down" in json.loads(events[-2][6:])["error"]["message"]
     finally:
         if proc.poll() is None:
