@@ -96,7 +96,7 @@ def build_app(
     app.state.metrics = metrics
     app.state.dashboard = dashboard
     install_error_handlers(app)
-    install_openapi(app)
+    install_openapi(app, aengine.engine.model_config.vocab_size)
 
     async def answered(work):
         try:

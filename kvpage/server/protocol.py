@@ -39,6 +39,18 @@ def _valid_unicode(s: str) -> str:
 
 Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
 
+TOKEN_ID = {"type": "integer", "minimum": 0, "x-kvpage-token-id": True}  # openapi.py adds the vocabulary's maximum
+NULL = {"type": "null"}
+
+
+def _doc(description: str, *any_of: dict) -> dict:
+    """A field's rules in the OpenAPI document, as the server checks them: in words, and as JSON Schema
+    (`any_of`, replacing what pydantic derives from the type) where JSON Schema can say it."""
+    extra = {"description": description}
+    if any_of:
+        extra["json_schema_extra"] = {"anyOf": list(any_of)}
+    return extra
+
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
@@ -52,13 +64,18 @@ class _Common(BaseModel):
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     temperature: Number | None = Field(None, ge=0, le=2)
     top_p: Number | None = Field(None, gt=0, le=1)
-    stop: Text | list[Text] | None = None
+    stop: Text | list[Text] | None = Field(None, **_doc(
+        "up to 4 non-empty strings", {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4}, NULL))  # fmt: skip
     seed: StrictInt | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as OpenAI's and vLLM's
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[Text, Number] | None = None
+    logit_bias: dict[Text, Number] | None = Field(None, **_doc(
+        "token id of the vocabulary (as a decimal string) -> bias in [-100, 100]; not with use_beam_search",
+        {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+         "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}, NULL))  # fmt: skip
     stream: StrictBool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     user: Text | None = None
     # vLLM's extensions
     top_k: StrictInt | None = Field(None, ge=-1)
@@ -66,10 +83,11 @@ class _Common(BaseModel):
     repetition_penalty: Number | None = Field(None, gt=0)
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = Field(0, ge=0)
-    stop_token_ids: list[StrictInt] | None = None
+    stop_token_ids: list[StrictInt] | None = Field(None, **_doc(
+        "token ids of the vocabulary", {"type": "array", "items": TOKEN_ID}, NULL))  # fmt: skip
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
-    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS, description="not with use_beam_search")
     use_beam_search: StrictBool = False  # n is the beam width
     length_penalty: Number = 1.0
     return_token_ids: StrictBool = False
@@ -109,10 +127,21 @@ class _Common(BaseModel):
         return self
 
 
+PROMPT_RULES = (
+    "never empty (no empty text, no empty list), token ids of the vocabulary, at most "
+    "--max-prompts-per-request prompts; its tokens plus max_tokens within the context (max_model_len)"
+)
+
+
 class CompletionRequest(_Common):
-    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
+    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]] = Field(**_doc(
+        "a text, texts, token ids or lists of token ids: " + PROMPT_RULES,
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        {"type": "array", "items": TOKEN_ID, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": TOKEN_ID, "minItems": 1}, "minItems": 1}))  # fmt: skip
     max_tokens: StrictInt | None = Field(16, ge=1)
-    logprobs: StrictInt | None = Field(None, ge=0, le=5)
+    logprobs: StrictInt | None = Field(None, ge=0, le=5, description="not with use_beam_search")
     echo: StrictBool = False
 
     @field_validator("prompt")
@@ -145,12 +174,12 @@ class ChatCompletionRequest(_Common):
     # vLLM's: prefill the assistant's reply (continue_final_message with add_generation_prompt false), and
     # echo the final message's content before what is generated when it is the reply's role
     add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False
+    continue_final_message: StrictBool = Field(False, description="only with add_generation_prompt: false")
     echo: StrictBool = False
-    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=1, description="the prompt's tokens plus it within the context")
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    logprobs: StrictBool = Field(False, description="not with use_beam_search")
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20, description="only with logprobs: true")
 
     @model_validator(mode="after")
     def _top_logprobs(self):
@@ -197,7 +226,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Text | None = None
-    tokens: list[StrictInt] = Field(min_length=0)
+    tokens: list[StrictInt] = Field(description="token ids of the vocabulary", json_schema_extra={"items": TOKEN_ID})
 
 
 class ErrorDetail(BaseModel):

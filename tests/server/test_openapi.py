@@ -69,3 +69,42 @@ def test_every_answer_is_what_the_spec_says_it_is(server):
     r.DetokenizeResponse.model_validate(post("/detokenize", {"tokens": [1, 2]}))
     for path, model in (("/health", r.Health), ("/version", r.Version), ("/load", r.ServerLoad)):
         model.model_validate(httpx.get(f"{server.url}{path}").json())
+
+
+def test_the_rules_only_the_server_checked_are_in_the_spec_and_hold(server):
+    """Each rule the spec now states, and a request that breaks it: 400 naming the field."""
+    spec = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
+    schemas = spec["components"]["schemas"]
+    req, chat = schemas["CompletionRequest"]["properties"], schemas["ChatCompletionRequest"]["properties"]
+    vocab = server.engine.model_config.vocab_size
+    prompt = {s["type"] + str(s.get("items", {}).get("type")): s for s in req["prompt"]["anyOf"]}
+    assert prompt["stringNone"]["minLength"] == 1 and prompt["arraystring"]["items"]["minLength"] == 1
+    assert prompt["arrayinteger"]["items"] == {"type": "integer", "minimum": 0, "maximum": vocab - 1}
+    assert prompt["arrayinteger"]["minItems"] == 1 and prompt["arrayarray"]["items"]["items"]["maximum"] == vocab - 1
+    stop = {s["type"]: s for s in req["stop"]["anyOf"]}
+    assert stop["string"]["minLength"] == 1 and stop["array"]["maxItems"] == 4
+    bias = next(s for s in req["logit_bias"]["anyOf"] if s["type"] == "object")
+    assert bias["propertyNames"] == {"pattern": "^[0-9]+$"} and bias["additionalProperties"]["maximum"] == 100
+    assert next(s for s in req["stop_token_ids"]["anyOf"] if s["type"] == "array")["items"]["maximum"] == vocab - 1
+    assert schemas["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] == vocab - 1
+    assert "stream: true" in req["stream_options"]["description"]
+    assert "logprobs: true" in chat["top_logprobs"]["description"]
+    assert "add_generation_prompt: false" in chat["continue_final_message"]["description"]
+    assert "context_length_exceeded" in spec["paths"]["/v1/completions"]["post"]["responses"]["400"]["description"]
+    assert "x-kvpage-token-id" not in str(spec)
+    base = {"model": "smollm2", "max_tokens": 1}
+    for path, body, param in [
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {"prompt": []}, "prompt"),
+        ("/v1/completions", {"prompt": [vocab]}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop"),
+        ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"x1": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [vocab]}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+        ("/detokenize", {"tokens": [vocab]}, "tokens"),
+    ]:
+        r = httpx.post(f"{server.url}{path}", json={**base, **body}, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param or param in r.json()["error"]["message"], (body, r.text)
