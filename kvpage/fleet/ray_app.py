@@ -405,8 +405,25 @@ class FleetMetrics:
     latest report to the index, at most a second old), and the fleet's: kvpage:fleet_* (the router,
     the index, event lag)."""
 
-    def __init__(self, index_name: str | None, router: str) -> None:
+    def __init__(self, index_name: str | None, router: str, report_every: float = 0.5) -> None:
         self.index_name, self.router = index_name, router
+        self.report_every = report_every
+        self._report, self._report_at = None, -1e9
+
+    async def load_report(self) -> dict | None:
+        """The fleet's ORCA load report (app.py): the replicas' mean KV-cache usage and their waiting requests,
+        from their latest metrics reports to the index (asked at most every `report_every` seconds)."""
+        if self.index_name is None:
+            return None
+        now = time.monotonic()
+        if now - self._report_at >= self.report_every:
+            self._report_at = now
+            try:
+                st = await asyncio.wait_for(index_actor(self.index_name).stats.remote(), 2.0)
+                self._report = fleet_load(st["metrics"])
+            except Exception:  # noqa: BLE001 - the index is away: no report rather than a stale one
+                self._report = None
+        return self._report
 
     async def render(self) -> bytes:
         lines = [f'# TYPE kvpage:fleet_router_info gauge\nkvpage:fleet_router_info{{router="{self.router}"}} 1']
@@ -447,6 +464,19 @@ class FleetMetrics:
             lines.append(f'kvpage:fleet_replica_blocks{{replica="{r}"}} {v["blocks"]}')
         lines.append(relabel(st["metrics"]))
         return ("\n".join(lines) + "\n").encode()
+
+
+def fleet_load(texts: dict[str, str]) -> dict | None:
+    """Mean kv_cache_usage_perc and summed num_requests_waiting over replicas' metrics texts."""
+    from kvpage.server.metrics import samples_of
+
+    usage, waiting = "kvpage:kv_cache_usage_perc", "kvpage:num_requests_waiting"
+    found = [samples_of(text, usage, waiting) for text in texts.values()]
+    found = [f for f in found if usage in f]
+    if not found:
+        return None
+    return {usage.split(":")[1]: sum(f[usage] for f in found) / len(found),
+            waiting.split(":")[1]: int(sum(f.get(waiting, 0) for f in found))}  # fmt: skip
 
 
 def relabel(texts: dict[str, str]) -> str:

@@ -158,8 +158,8 @@ def build_app(
         return {"server_load": load.in_flight}
 
     inner = load.wrap(app)
-    if engine is not None:
-        inner = _OrcaLoadHeader(inner, engine)
+    if hasattr(metrics, "load_report"):
+        inner = _OrcaLoadHeader(inner, metrics)
     asgi = BodyLimit(inner, max_body_bytes, body_timeout)
     if keys:
         asgi = APIKeyAuth(asgi, keys)
@@ -220,10 +220,11 @@ class _ServerLoad:
 class _OrcaLoadHeader:
     """ORCA load reports, as vLLM sends them to load-aware gateways (Envoy): a completion or chat request
     with `endpoint-load-metrics-format: text|json` gets an `endpoint-load-metrics` response header with
-    the KV cache's usage and the requests waiting, from the engine's latest snapshot."""
+    the KV cache's usage and the requests waiting: `metrics.load_report()` (awaitable or not; None: no
+    report), the engine's latest snapshot on one server, the replicas' latest reports behind a fleet."""
 
-    def __init__(self, app, engine: LLMEngine) -> None:
-        self.app, self.engine = app, engine
+    def __init__(self, app, metrics) -> None:
+        self.app, self.metrics = app, metrics
 
     async def __call__(self, scope, receive, send):
         fmt = next((v for k, v in scope.get("headers") or () if k == b"endpoint-load-metrics-format"), b"").lower()
@@ -232,14 +233,15 @@ class _OrcaLoadHeader:
 
         async def send_with_load(message):
             if message["type"] == "http.response.start":
-                snap = self.engine.snapshot
-                named = {"kv_cache_usage_perc": snap.cache.usage, "num_requests_waiting": snap.num_waiting}
-                if fmt == b"json":
-                    value = "JSON " + json.dumps({"named_metrics": named})
-                else:
-                    value = "TEXT " + ", ".join(f"named_metrics.{k}={v}" for k, v in named.items())
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (b"endpoint-load-metrics", value.encode())]}  # fmt: skip
+                named = self.metrics.load_report()
+                named = await named if inspect.isawaitable(named) else named
+                if named is not None:
+                    if fmt == b"json":
+                        value = "JSON " + json.dumps({"named_metrics": named})
+                    else:
+                        value = "TEXT " + ", ".join(f"named_metrics.{k}={v}" for k, v in named.items())
+                    message = {**message, "headers": [*message.get("headers", []),
+                                                      (b"endpoint-load-metrics", value.encode())]}  # fmt: skip
             await send(message)
 
         await self.app(scope, receive, send_with_load)

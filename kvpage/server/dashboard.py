@@ -34,6 +34,8 @@ from importlib import resources
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, StreamingResponse
 
+from kvpage.server.metrics import samples_of
+
 KEEPALIVE_S = 15.0  # an SSE comment this often keeps proxies from closing a quiet stream
 
 
@@ -138,21 +140,13 @@ class FleetFeed:
 
 def fleet_view(st: dict) -> dict:
     """The index's stats as the page shows them: one entry per replica, usage from its metrics text."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+    usage, used = "kvpage:kv_cache_usage_perc", 'kvpage:kv_cache_blocks{state="used"}'
     replicas = []
     for name, v in sorted(st["replicas"].items()):
-        usage = blocks = None
-        text = st.get("metrics", {}).get(name)
-        for fam in text_string_to_metric_families(text or ""):
-            for s in fam.samples:
-                if s.name == "kvpage:kv_cache_usage_perc":
-                    usage = s.value
-                elif s.name == "kvpage:kv_cache_blocks" and s.labels.get("state") == "used":
-                    blocks = s.value
+        found = samples_of(st.get("metrics", {}).get(name, ""), usage, used)
         replicas.append({"replica": name, "trusted": v["trusted"], "synced": v["synced"], "indexed_blocks": v["blocks"],
-                         "heard_ago": v["heard_ago"], "load": v["load"], "usage": usage,
-                         "used_blocks": blocks})  # fmt: skip
+                         "heard_ago": v["heard_ago"], "load": v["load"], "usage": found.get(usage),
+                         "used_blocks": found.get(used)})  # fmt: skip
     for name in st.get("events_off", ()):
         replicas.append({"replica": name, "trusted": False, "events_off": True})
     keys = ("routed", "fallbacks", "gaps", "resyncs", "remote_blocks", "lag_p50", "lag_p99")

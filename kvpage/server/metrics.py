@@ -45,6 +45,21 @@ def renamed(text: bytes, prefix: str) -> bytes:
     return text if prefix == "kvpage" else _NAME.sub(rb"\1" + prefix.encode() + b":", text)
 
 
+def samples_of(text: str, *names: str) -> dict[str, float]:
+    """From a Prometheus text, the value of each named sample (`name` or `name{label="v"}`, labels sorted,
+    model_name left out); a name absent is left out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted, out = set(names), {}
+    for fam in text_string_to_metric_families(text or ""):
+        for s in fam.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name")
+            key = f"{s.name}{{{labels}}}" if labels else s.name
+            if key in wanted:
+                out[key] = s.value
+    return out
+
+
 class _EngineCollector:
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self.engine, self.model_name = engine, model_name
@@ -143,7 +158,7 @@ class _EngineCollector:
 
 class Metrics:
     def __init__(self, engine: LLMEngine, model_name: str = "kvpage") -> None:
-        self.model_name = model_name
+        self.model_name, self.engine = model_name, engine
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
         label = ["model_name"]
@@ -177,6 +192,11 @@ class Metrics:
     def render(self) -> bytes:
         """The Prometheus text of every metric."""
         return generate_latest(self.registry)
+
+    def load_report(self) -> dict:
+        """What an ORCA load report names (app.py's endpoint-load-metrics header), from the latest snapshot."""
+        snap = self.engine.snapshot
+        return {"kv_cache_usage_perc": snap.cache.usage, "num_requests_waiting": snap.num_waiting}
 
     def observe(self, out: RequestOutput) -> None:
         m, rid = out.metrics, out.request_id

@@ -122,7 +122,7 @@ def test_a_shared_prefix_goes_where_its_blocks_are_and_the_client_sees_the_hit(f
                  f"replica {r} idle")  # fmt: skip
 
 
-def test_the_dashboard_shows_the_replicas_as_the_index_sees_them(fleet):
+def test_the_dashboard_and_the_orca_load_report_show_the_replicas(fleet):
     from tests.browser import start_browser
     from tests.browser import wait_for as wait_for_page
 
@@ -135,6 +135,12 @@ def test_the_dashboard_shows_the_replicas_as_the_index_sees_them(fleet):
     replicas = {r["replica"]: r for r in pic["fleet"]["replicas"]}
     assert sorted(r for r, v in replicas.items() if v["trusted"]) == trusted(fleet)
     assert all(0.0 <= v["usage"] <= 1.0 and v["load"]["requests"] >= 0 for v in replicas.values())
+    # the ingress's ORCA load report for gateways: the replicas' mean usage, their waiting requests
+    body = {"model": "smollm2", "prompt": "Hello", "max_tokens": 2}
+    r = httpx.post(f"{fleet.url}/completions", json=body, headers={"endpoint-load-metrics-format": "json"}, timeout=60)
+    assert r.status_code == 200 and r.headers["endpoint-load-metrics"].startswith("JSON ")
+    named = json.loads(r.headers["endpoint-load-metrics"][5:])["named_metrics"]
+    assert set(named) == {"kv_cache_usage_perc", "num_requests_waiting"} and 0.0 <= named["kv_cache_usage_perc"] <= 1
     driver = start_browser()
     try:
         driver.get(f"{base}/dashboard")
