@@ -31,7 +31,7 @@ PREFIX = ("You are the support assistant of a bookshop. Answer politely and brie
 
 @pytest.fixture(scope="module")
 def live():
-    s = start_server(api_key=KEY, num_kv_blocks=160)
+    s = start_server(api_key=KEY, num_kv_blocks=160, swap_space="8MiB", cpu_offload_memory="8MiB")
     seen = {}  # engine step -> cache_stats(), recorded in the engine thread like the dashboard's pictures
     s.aengine.between_steps.insert(0, lambda: seen.__setitem__(s.engine.num_steps, s.engine.cache_stats()))
     s.seen = seen
@@ -98,12 +98,8 @@ def test_the_dashboard_needs_the_key_and_a_browser_gets_it_as_a_cookie(live):
         time.sleep(0.02)
     built = feed.num_pictures
     client = openai.OpenAI(base_url=live.base_url, api_key=KEY, max_retries=0)
-    assert (
-        client.completions.create(
-            model="smollm2", prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True}
-        ).usage.completion_tokens
-        == 4
-    )
+    done = client.completions.create(model="smollm2", prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 4
     assert feed.num_watchers == 0 and feed.num_pictures == built
     assert_pool_free(live, headers=AUTH)
 
@@ -127,10 +123,18 @@ def test_the_page_draws_sharing_samples_and_beams_as_the_engine_counts_them(live
     cities = "Here is a list of the largest cities of France, with a sentence on the history of each one: the first is"
     go_on = {"ignore_eos": True}
     jobs = [
-        ("first", dict(prompt=PREFIX + "when do you open on Saturday?", max_tokens=90, extra_body=go_on)),
+        ("first", dict(prompt=PREFIX + "when do you open on Saturday?", max_tokens=150, extra_body=go_on)),
         ("samples", dict(prompt=poem, n=3, max_tokens=150, temperature=1.0, seed=7, extra_body=go_on)),
-        ("beams", dict(prompt=cities, n=3, max_tokens=60, extra_body={"use_beam_search": True, **go_on})),
-        ("second", dict(prompt=PREFIX + "how fast do orders ship?", max_tokens=90, extra_body=go_on)),
+        ("beams", dict(prompt=cities, n=3, max_tokens=100, extra_body={"use_beam_search": True, **go_on})),
+        ("second", dict(prompt=PREFIX + "how fast do orders ship?", max_tokens=150, extra_body=go_on)),
+        (
+            "evicting",
+            dict(
+                prompt="Count from one to one hundred in words:",
+                max_tokens=150,
+                extra_body={"kv_eviction": "streaming:sink_tokens=16,window_tokens=16", **go_on},
+            ),
+        ),
     ]
     threads = []
     for name, kw in jobs:
@@ -144,10 +148,11 @@ def test_the_page_draws_sharing_samples_and_beams_as_the_engine_counts_them(live
         """(() => { const s = window.kvDashboard.snapshot; if (!s || !s.memory) return false;
         const kinds = s.requests.map((r) => r.kind), rows = s.memory.tables;
         const of = (k) => rows.filter((t) => s.requests.some((r) => r.request_id === t.request_id && r.kind === k));
-        return of('samples').length === 3 && of('beam').length >= 2 && of('single').length === 2
-               && kinds.length === 4 && s.stats.shared_blocks > 0 && s.step > 0; })()""",
+        return of('samples').length === 3 && of('beam').length >= 2 && of('single').length === 3
+               && kinds.length === 5 && s.stats.shared_blocks > 0 && rows.some((t) => t.block_ids.includes(null));
+        })()""",
         90,
-        "all four requests",
+        "all five requests, one with holes",
     )
     browser.find_element("id", "pause").click()
     snap = browser.execute_script("return window.kvDashboard.snapshot;")
@@ -176,17 +181,25 @@ def test_the_page_draws_sharing_samples_and_beams_as_the_engine_counts_them(live
     beams = sorted(by_kind["beam"], key=lambda r: r["index"])
     brid = beams[0]["request_id"]
     assert all(r["shared"] >= prompt_len[brid] // bs and r["parent"] != "" for r in beams[1:])
-    first, second = sorted(by_kind["single"], key=lambda r: prompt_len[r["request_id"]])
     common = len(live.engine.tokenizer.encode(PREFIX)) // bs - 1  # (less one: the boundary's tokens may merge)
+    first, second = [r for r in by_kind["single"] if prompt_len[r["request_id"]] > common * bs]
     assert common >= 2 and first["blocks"][:common] == second["blocks"][:common]  # the prefix, one copy for both
     assert max(r["cached_tokens"] or 0 for r in snap["requests"] if kinds[r["request_id"]] == "single") >= common * bs
     assert {r["shared"] for r in (first, second)} == {0}  # (requests apart: no branch is drawn between them)
+
+    # holes an eviction policy left, drawn as holes; the CPU swap pool and the tier, square by square
+    holes = sum(b is None for t in snap["memory"]["tables"] for b in t["block_ids"])
+    assert holes > 0 and count(browser, "g.row rect.hole") == holes and st.evicted_tokens >= holes * bs
+    assert count(browser, "#cpu rect") == st.cpu_total_blocks > 0
+    assert count(browser, "#cpu rect.swapped") == st.cpu_used_blocks
+    assert count(browser, "#tier rect") == st.tier_total_blocks > 0
+    assert count(browser, "#tier rect.tier") == st.tier_cached_blocks
 
     browser.find_element("id", "pause").click()  # live again: the page catches up
     for t in threads:
         t.join(timeout=180)
     assert not errors, errors
-    assert [len(results[n].choices) for n in ("first", "samples", "beams", "second")] == [1, 3, 3, 1]
+    assert [len(results[n].choices) for n in ("first", "samples", "beams", "second", "evicting")] == [1, 3, 3, 1, 1]
     assert results["samples"].usage.prompt_tokens == prompt_len[rid]
     assert_pool_free(live, headers=AUTH)
     final = live.engine.cache_stats()
