@@ -3,13 +3,16 @@
 The model and length checks, the request's sampling (or beam-search) parameters, its prefix-cache
 salt, running its prompts through the AsyncEngine (a bounded window at a time, aborted as soon as
 the client goes away, streaming or not), and the mapping of engine errors to HTTP statuses.
+Tokenizing and templating run in one worker thread (`off_loop`), not in the event loop: a prompt of
+300,000 words takes ~0.4 s to tokenize, and /health, the streams and the other clients must not wait.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 
@@ -21,6 +24,12 @@ from kvpage.server.errors import APIError
 from kvpage.server.streaming import merge
 
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
+_TOKENIZER_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpage-tokenizer")
+
+
+async def off_loop(fn: Callable, *args):
+    """`fn(*args)` in the tokenizer thread (the tokenizer releases the GIL while it works)."""
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZER_THREAD, fn, *args)
 
 
 class ClientDisconnected(Exception):

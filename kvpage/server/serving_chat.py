@@ -16,7 +16,7 @@ from jinja2.exceptions import TemplateError
 from kvpage.outputs import CompletionOutput, RequestOutput
 from kvpage.server.errors import APIError
 from kvpage.server.protocol import ChatCompletionRequest
-from kvpage.server.serving import OpenAIServing, top_entries, usage
+from kvpage.server.serving import OpenAIServing, off_loop, top_entries, usage
 from kvpage.server.streaming import sse
 
 
@@ -25,8 +25,9 @@ class ChatServing(OpenAIServing):
         self.check_model(req.model)
         try:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
-                                             continue_final_message=req.continue_final_message)  # fmt: skip
+            ids = await off_loop(lambda: self.tokenizer.encode_chat(
+                messages, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message))  # fmt: skip
         except (ValueError, TemplateError) as e:
             raise APIError(400, f"messages: {e}", param="messages") from None
         eviction = self.eviction(req)

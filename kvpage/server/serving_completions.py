@@ -17,25 +17,29 @@ from fastapi import Request
 from kvpage.outputs import CompletionOutput, RequestOutput
 from kvpage.server.errors import APIError
 from kvpage.server.protocol import CompletionRequest
-from kvpage.server.serving import OpenAIServing, top_entries, usage
+from kvpage.server.serving import OpenAIServing, off_loop, top_entries, usage
 from kvpage.server.streaming import sse
 
 
 class CompletionServing(OpenAIServing):
+    def _tokenized(self, prompts: list) -> tuple[list[list[int]], list[str]]:
+        """Each prompt's ids and text (off the event loop: serving.off_loop)."""
+        tok, vocab = self.tokenizer, self.engine.model_config.vocab_size
+        token_lists = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
+        for ids in token_lists:
+            if not ids:
+                raise APIError(400, "the prompt is empty", param="prompt")
+            if min(ids) < 0 or max(ids) >= vocab:
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        return token_lists, [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in prompts]
+
     async def create(self, req: CompletionRequest, raw_request: Request):
         self.check_model(req.model)
         prompts = _prompt_list(req.prompt)
         if len(prompts) > self.max_prompts_per_request:
             raise APIError(400, f"prompt: at most {self.max_prompts_per_request} prompts per request, got "
                                 f"{len(prompts)}", param="prompt", code="too_many_prompts")  # fmt: skip
-        tok = self.tokenizer
-        token_lists = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
-        vocab = self.engine.model_config.vocab_size
-        for ids in token_lists:
-            if not ids:
-                raise APIError(400, "the prompt is empty", param="prompt")
-            if any(not 0 <= t < vocab for t in ids):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        token_lists, texts = await off_loop(self._tokenized, prompts)
         eviction = self.eviction(req)
         max_tokens = min(self.check_length(ids, req.max_tokens, eviction) for ids in token_lists)
         echo_lp = req.echo and req.logprobs is not None
@@ -43,7 +47,6 @@ class CompletionServing(OpenAIServing):
         params = self.params(req, max_tokens, req.logprobs, plp, eviction)
         rid = f"cmpl-{uuid.uuid4().hex}"
         gens = self.generators(rid, token_lists, params, self.cache_salt(req, raw_request))
-        texts = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in prompts]
         run = _Run(self, rid, req, token_lists, texts)
         self.check_ready(req)
         if req.stream:

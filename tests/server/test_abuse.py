@@ -5,9 +5,11 @@ prefix caches stay apart."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -170,3 +172,32 @@ def test_prefix_caches_are_kept_apart_per_key_and_per_cache_salt():
         stop_server(s)
     with pytest.raises(ValueError, match="needs API keys"):
         build_app(s.engine, salt_cache_per_key=True)
+
+
+def test_huge_prompts_are_tokenized_off_the_event_loop():
+    """vLLM's test_healthcheck_response_time: while the server tokenizes prompts of 150,000 words (each
+    then refused: past the context), /health still answers, typically in far less than one tokenization
+    takes (the bound is that ratio, measured in the same run, not a time)."""
+    s = start_server(app_kw={"max_body_bytes": 1 << 20}, num_kv_blocks=32, max_model_len=256)
+    try:
+        text = " ".join(["A"] * 150_000)
+        t0 = time.perf_counter()
+        assert len(s.engine.tokenizer.encode(text)) == 150_000
+        one = time.perf_counter() - t0
+        body = {"model": "smollm2", "prompt": text, "max_tokens": 4}
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            answers = [pool.submit(httpx.post, f"{s.base_url}/completions", json=body, timeout=120) for _ in range(6)]
+            time.sleep(0.2)
+            probes = []
+            while not all(a.done() for a in answers[:-1]):
+                t0 = time.perf_counter()
+                assert httpx.get(f"{s.url}/health", timeout=30).status_code == 200
+                probes.append(time.perf_counter() - t0)
+                time.sleep(0.01)
+            codes = [a.result().json()["error"]["code"] for a in answers]
+        assert codes == ["context_length_exceeded"] * 6
+        # (tokenizing in the event loop: 2 probes got through, the slowest 2.4x one tokenization)
+        assert len(probes) >= 5 and statistics.median(probes) < one / 2, (probes, one)
+        assert_pool_free(s)
+    finally:
+        stop_server(s)
