@@ -42,6 +42,27 @@ def test_bad_input_gets_a_clear_4xx_and_the_server_goes_on(server, path, body, s
     assert_pool_free(server)
 
 
+def test_a_body_far_over_the_limit_gets_its_413_not_a_broken_connection(server):
+    """The openai client sees the 413 that names the limit (an error, not a broken connection), with a
+    Content-Length or without one."""
+    client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model="smollm2", prompt=["A " * 300_000] * 2, max_tokens=4)  # 1.2 MB
+    assert e.value.status_code == 413 and e.value.body["code"] == "body_too_large"
+
+    def chunks():  # no Content-Length: the limit is found while reading
+        yield b'{"model": "smollm2", "prompt": "'
+        for _ in range(64):
+            yield b"A " * 8192
+        yield b'"}'
+
+    r = httpx.post(f"{server.base_url}/completions", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert_pool_free(server)
+
+
 def test_client_disconnect_mid_stream_frees_its_blocks(server):
     body = {"model": "smollm2", "prompt": "Count slowly from one to one thousand:", "max_tokens": 500,
             "stream": True, "extra": 1, "ignore_eos": True}  # fmt: skip
