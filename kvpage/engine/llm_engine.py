@@ -215,6 +215,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         self._note_scheduled(sched)
+        generated = self.num_generation_tokens
         try:
             run = self.runner.execute(sched) if sched.has_work else ModelRunnerOutput([], torch.empty(0))
         except Exception as e:  # noqa: BLE001 - the batch fails, the engine goes on
@@ -223,17 +224,27 @@ class LLMEngine:
         t2 = time.perf_counter()
         updates, advanced = self._process(sched, run)
         result = self.scheduler.update_from_output(sched, updates, run.attention_mass)
+        if sched.sequences:  # vLLM's iteration tokens: prompt (or recomputed) tokens computed, plus those sampled
+            self.step_tokens.observe(self._prompt_tokens_of(sched) + self.num_generation_tokens - generated)
         return self._finish_step(result, advanced, (t0, t1, t2))
 
     def _note_scheduled(self, sched: SchedulerOutput) -> None:
-        """When each request first ran (its queue time ends) and the step's size, for /metrics."""
-        if sched.sequences:
-            self.step_tokens.observe(sched.num_tokens)
+        """When each request first ran (its queue time ends), for /metrics."""
         now = time.monotonic()
         for s in sched.sequences:
             st = self._states.get(s.seq_id.request_id)
             if st is not None and st.first_scheduled_time is None:
                 st.first_scheduled_time = now
+
+    def _prompt_tokens_of(self, sched: SchedulerOutput) -> int:
+        """The step's tokens that are not a decode's input (that one was counted when it was sampled)."""
+        n = 0
+        for s in sched.sequences:
+            st = self._states.get(s.seq_id.request_id)
+            seqs = st.request.sequences if st is not None else []
+            prompt = seqs[s.seq_id.index].num_prompt_tokens if s.seq_id.index < len(seqs) else 0
+            n += 0 if len(s.token_ids) == 1 and s.num_computed >= prompt else len(s.token_ids)
+        return n
 
     def _process(self, sched: SchedulerOutput, run: ModelRunnerOutput):
         """The engine's decisions for every request that produced logits: sample or beam-step, then
