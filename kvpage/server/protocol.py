@@ -211,12 +211,15 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
-    return_token_strs: StrictBool = False
+    continue_final_message: StrictBool = Field(False, description="only with add_generation_prompt: false")
+    return_token_strs: StrictBool = Field(False, description="each token's piece of the vocabulary, as vLLM's")
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("prompt: give either prompt or messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be true with add_generation_prompt (set it false)")
         return self
 
 

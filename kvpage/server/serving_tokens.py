@@ -18,12 +18,13 @@ class TokenServing(OpenAIServing):
         if req.messages is not None:
             try:
                 messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-                ids = tok.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
+                ids = tok.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                      continue_final_message=req.continue_final_message)  # fmt: skip
             except (ValueError, TemplateError) as e:
                 raise APIError(400, f"messages: {e}", param="messages") from None
         else:
             ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)  # type: ignore[arg-type]
-        strs = [self.token_text(t) for t in ids] if req.return_token_strs else None
+        strs = [tok.token_text(t) for t in ids] if req.return_token_strs else None  # the vocabulary's pieces
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": strs}
 
     def detokenize(self, req: DetokenizeRequest) -> dict:

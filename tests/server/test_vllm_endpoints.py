@@ -25,7 +25,7 @@ def test_tokenize_counts_as_the_engine_does_and_detokenize_inverts_it(server):
     body = r.json()
     assert body["tokens"] == tok.encode("The quick brown fox") and body["count"] == len(body["tokens"])
     assert body["max_model_len"] == server.engine.max_model_len
-    assert "".join(body["token_strs"]) == "The quick brown fox"
+    assert body["token_strs"] == ["The", "Ġquick", "Ġbrown", "Ġfox"]  # the vocabulary's pieces, as vLLM's
     back = post(server, "/detokenize", {"model": "smollm2", "tokens": body["tokens"]})
     assert back.status_code == 200 and back.json() == {"prompt": "The quick brown fox"}
     chat = post(server, "/tokenize", {"model": "smollm2", "messages": MESSAGES}).json()
@@ -34,6 +34,13 @@ def test_tokenize_counts_as_the_engine_does_and_detokenize_inverts_it(server):
     assert chat["count"] == answer.usage.prompt_tokens  # the chat template applied exactly as for a completion
     bare = post(server, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}).json()
     assert bare["count"] < chat["count"] and chat["tokens"][: bare["count"]] == bare["tokens"]
+    prefill = [*MESSAGES, {"role": "assistant", "content": "Sure,"}]
+    open_reply = post(server, "/tokenize", {"messages": prefill, "add_generation_prompt": False,
+                                            "continue_final_message": True}).json()  # fmt: skip
+    closed = post(server, "/tokenize", {"messages": prefill, "add_generation_prompt": False}).json()
+    assert open_reply["tokens"] == tok.encode_chat(prefill, add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(open_reply["tokens"], skip_special_tokens=False).endswith("Sure,")
+    assert open_reply["count"] < closed["count"]  # the final message left open: no end of turn after it
     assert_pool_free(server)
 
 
@@ -41,6 +48,7 @@ def test_bad_tokenize_requests_are_400s_or_404s_naming_the_field(server):
     cases = [("/tokenize", {"model": "smollm2"}, 400, "prompt"),
              ("/tokenize", {"model": "smollm2", "prompt": "a", "messages": MESSAGES}, 400, "prompt"),
              ("/tokenize", {"model": "nope", "prompt": "a"}, 404, "nope"),
+             ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message"),
              ("/detokenize", {"model": "smollm2", "tokens": [10**9]}, 400, "tokens"),
              ("/detokenize", {"model": "smollm2", "tokens": ["a"]}, 400, "tokens")]  # fmt: skip
     for path, body, status, needle in cases:
