@@ -163,7 +163,7 @@ def build_app(
     asgi = BodyLimit(inner, max_body_bytes, body_timeout)
     if keys:
         asgi = APIKeyAuth(asgi, keys)
-    asgi = _EchoRequestId(asgi)
+    asgi = _EitherSideOfTheProxy(_EchoRequestId(asgi))
     asgi.fastapi = app  # type: ignore[attr-defined]
     return asgi
 
@@ -267,3 +267,25 @@ class _EchoRequestId:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+class _EitherSideOfTheProxy:
+    """With --root-path P, a path is answered whether the proxy in front stripped P (/v1/models) or not
+    (P/v1/models, or a client that calls the server directly with the prefix), as vLLM's. uvicorn puts
+    P in front of every path; a path that carried P already has it twice: one is taken off here."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        root = scope.get("root_path", "")
+        if root and scope["type"] in ("http", "websocket"):
+            path, twice = scope.get("path", ""), root + root
+            if path == twice or path.startswith(twice + "/"):
+                raw = scope.get("raw_path")
+                scope = {
+                    **scope,
+                    "path": path[len(root) :],
+                    "raw_path": raw[len(root.encode()) :] if raw and raw.startswith(twice.encode()) else raw,
+                }
+        await self.app(scope, receive, send)

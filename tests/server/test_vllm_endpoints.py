@@ -83,6 +83,14 @@ def test_behind_a_path_prefix_proxy_root_path_routes_checks_keys_and_counts_as_b
         assert spec["servers"] == [{"url": "/kv"}]  # what a generated client puts in front
         key = {"Authorization": "Bearer k"}
         assert httpx.get(f"{s.url}/load", headers=key).json() == {"server_load": 0}
+        # or as a client calling it directly with the prefix (a proxy that does not strip it): the same routes
+        direct = openai.OpenAI(base_url=f"{s.url}/kv/v1", api_key="k", max_retries=0, timeout=60)
+        assert [m.id for m in direct.models.list()] == ["smollm2"]
+        assert direct.completions.create(model="smollm2", prompt="Hi", max_tokens=2).usage.completion_tokens >= 1
+        assert (
+            httpx.get(f"{s.url}/kv/v1/models").status_code == 401 and httpx.get(f"{s.url}/kv/health").status_code == 200
+        )
+        assert httpx.get(f"{s.url}/kv/kv/v1/models", headers=key).status_code == 404  # once, not twice
         assert_pool_free(s, headers=key)
     finally:
         stop_server(s)
