@@ -60,7 +60,7 @@ class StreamOptions(BaseModel):
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: Text
+    model: Text | None = Field(None, description="the served model's name; left out: the served model (vLLM's)")
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     temperature: Number | None = Field(None, ge=0, le=2)
     top_p: Number | None = Field(None, gt=0, le=1)

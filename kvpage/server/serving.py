@@ -95,8 +95,9 @@ class OpenAIServing:
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
 
     # ------------------------------------------------------------------ checks
-    def check_model(self, name: str) -> None:
-        if name != self.served_model_name:
+    def check_model(self, name: str | None) -> None:
+        """404 for another model's name; none given means the served model, as vLLM takes it."""
+        if name is not None and name != self.served_model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves {self.served_model_name!r}",
                            param="model", code="model_not_found")  # fmt: skip
 

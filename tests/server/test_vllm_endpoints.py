@@ -108,3 +108,13 @@ def test_orca_load_headers_report_the_cache_and_the_queue(server):
     assert kind == "JSON" and 0 <= named["kv_cache_usage_perc"] <= 1 and named["num_requests_waiting"] >= 0
     assert "endpoint-load-metrics" not in httpx.post(f"{server.url}/v1/completions", json=body).headers
     assert_pool_free(server)
+
+
+def test_a_request_without_a_model_goes_to_the_served_one(server):
+    """vLLM's: `model` may be left out (curl users do); another model's name is still a 404."""
+    chat = post(server, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["model"] == "smollm2"
+    done = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert done.status_code == 200 and done.json()["model"] == "smollm2"
+    assert post(server, "/v1/completions", {"model": "gpt-9", "prompt": "Hi"}).status_code == 404
+    assert_pool_free(server)
