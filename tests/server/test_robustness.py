@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 
 import httpx
@@ -55,6 +56,17 @@ def test_a_body_far_over_the_limit_gets_its_413_not_a_broken_connection(server):
         for _ in range(64):
             yield b"A " * 8192
         yield b'"}'
+
+    def refused(_):  # many at once (vLLM's test_healthcheck_response_time): each still reads its 413
+        try:
+            client.completions.create(model="smollm2", prompt=["A " * 300_000] * 2, max_tokens=4)
+        except openai.APIStatusError as e:
+            return e.status_code
+        except openai.APIConnectionError as e:
+            return repr(e)
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        assert list(pool.map(refused, range(32))) == [413] * 32
 
     r = httpx.post(f"{server.base_url}/completions", content=chunks(), headers={"content-type": "application/json"},
                    timeout=60)  # fmt: skip
