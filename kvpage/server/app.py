@@ -31,7 +31,7 @@ from kvpage.server.errors import install_error_handlers
 from kvpage.server.metrics import PREFIXES, Metrics, renamed
 from kvpage.server.openapi import install_openapi
 from kvpage.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from kvpage.server.serving import DEFAULT_MAX_PROMPTS_PER_REQUEST, ClientDisconnected
+from kvpage.server.serving import DEFAULT_MAX_PROMPTS_PER_REQUEST, ClientDisconnected, off_loop
 from kvpage.server.serving_chat import ChatServing
 from kvpage.server.serving_completions import CompletionServing
 from kvpage.server.serving_tokens import TokenServing
@@ -142,7 +142,7 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         """vLLM's: the prompt's (or the chat-templated messages') token ids, as the engine counts them."""
-        return tokens.tokenize(req)
+        return await off_loop(tokens.tokenize, req)  # (in the tokenizer thread, as the generation endpoints)
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):

@@ -44,9 +44,9 @@ class APIKeyAuth:
         self._keys = [(hashlib.sha256(k.encode()).digest(), tenant_of(k)) for k in keys]
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "lifespan" or (scope["type"] == "http" and route_path(scope) in OPEN_PATHS):
-            return await self.app(scope, receive, send)
         path = route_path(scope)
+        if scope["type"] == "lifespan" or (scope["type"] == "http" and path in OPEN_PATHS):
+            return await self.app(scope, receive, send)
         dashboard = scope["type"] == "http" and (path == DASHBOARD or path.startswith(DASHBOARD + "/"))
         header = cookie = b""
         for name, value in scope.get("headers") or ():
