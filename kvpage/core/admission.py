@@ -62,14 +62,15 @@ class BlockBudget:
         return self.pool.num_free - freed - (self.watermark_blocks if keep_watermark else 0)
 
     def plan(self, lengths: Sequence[int], shared: Sequence[int], prefix: CachedPrefix, hits: list[Block],
-             *, keep_watermark: bool) -> Admission:  # fmt: skip
+             *, keep_watermark: bool, unqueued: int = 0) -> Admission:  # fmt: skip
         """Could sequences of these token counts (lead first; `shared[i]`: leading blocks sequence i
-        shares with the lead, 0 for the lead), the lead hitting `prefix`, get all their slots now,
-        later, or never? NEVER: not even in an empty pool."""
+        shares with the lead, 0 for the lead), the lead hitting `prefix` (GPU `hits`; `unqueued`:
+        free blocks taking it takes off the queue), get all their slots now, later, or never?
+        NEVER: not even in an empty pool."""
         bs = self.block_size
         total = cdiv(lengths[0], bs) + sum(cdiv(n, bs) - m for n, m in zip(lengths[1:], shared[1:]))
-        needed = total - len(hits)  # a hit on the CPU tier takes a new block too
-        available = self.available(keep_watermark=keep_watermark, freed=sum(b.ref_count == 0 for b in hits))
+        needed = total - len(hits)  # a hit on the CPU tier (or a partial one) takes a new block too
+        available = self.available(keep_watermark=keep_watermark, freed=unqueued)
         if total > self.pool.num_total:
             seqs = f"its {len(lengths)} sequences need" if len(lengths) > 1 else "it needs"
             reason = (

@@ -167,9 +167,20 @@ class KVCacheManager:
             raise ValueError("a request needs at least one sequence of at least one token")
         lead = token_lists[0]
         prefix = self.prefix.find(lead, cache_salt) if use_prefix_cache else CachedPrefix([], [], 0, 0, cache_salt)
-        hits = self.prefix.hit_blocks(prefix)
         shared = self.budget.shared_with_lead(token_lists)
-        return self.budget.plan([len(t) for t in token_lists], shared, prefix, hits, keep_watermark=keep_watermark)
+        return self._plan([len(t) for t in token_lists], shared, prefix, keep_watermark)
+
+    def _plan(self, lengths: list[int], shared: list[int], prefix: CachedPrefix, keep_watermark: bool) -> Admission:
+        """The budget's plan; a partial hit whose pinned source would not leave room is dropped (in
+        a tiny pool the source itself may be the block the request needs)."""
+        hits = self.prefix.hit_blocks(prefix)
+        adm = self.budget.plan(lengths, shared, prefix, hits, keep_watermark=keep_watermark,
+                               unqueued=self.prefix.num_unqueued(prefix))  # fmt: skip
+        if adm.status is not AdmissionStatus.NOW and prefix.partial is not None:
+            self.prefix.drop_partial(prefix)
+            adm = self.budget.plan(lengths, shared, prefix, hits, keep_watermark=keep_watermark,
+                                   unqueued=self.prefix.num_unqueued(prefix))  # fmt: skip
+        return adm
 
     def admit(
         self,
@@ -177,23 +188,25 @@ class KVCacheManager:
         token_lists: Sequence[Sequence[int]],
         adm: Admission,
         policy: EvictionPolicy = NO_EVICTION,
-    ) -> None:
+    ) -> list[tuple[int, int]]:
         """Create a request's sequences with slots for all their tokens, as `check_admission` planned
         (it must have answered NOW, with nothing allocated since). Nothing is registered: the caller
-        registers what each step computes. `policy`: the sequences' eviction policy."""
+        registers what each step computes. `policy`: the sequences' eviction policy. Returns the
+        (src, dst) block copies of a partial prefix hit, for the worker to make in this step."""
         if adm.status is not AdmissionStatus.NOW or not len(adm.shared_blocks) == len(seq_ids) == len(token_lists):
             raise RuntimeError("admit() needs a NOW admission for exactly these sequences")
-        freed = sum(b.ref_count == 0 for b in self.prefix.hit_blocks(adm.prefix))
+        freed = self.prefix.num_unqueued(adm.prefix)
         if not self.budget.fits(adm.blocks_needed, keep_watermark=False, freed=freed):
             raise RuntimeError("stale Admission: the pool changed since check_admission")
         if any(s in self._tables for s in seq_ids) or len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"admit() needs new, distinct sequence ids; got {list(seq_ids)!r}")
         lead, lead_tokens = seq_ids[0], token_lists[0]
-        table = self._start(lead, adm.prefix, policy)
+        table, copies = self._start(lead, adm.prefix, policy)
         grow(table, self.pool, len(lead_tokens) - table.num_tokens)
         for seq_id, tokens, m in zip(seq_ids[1:], token_lists[1:], adm.shared_blocks[1:], strict=True):
             self.fork(lead, seq_id, num_blocks=m)
             grow(self._tables[seq_id], self.pool, len(tokens) - m * self.block_size)
+        return copies
 
     def num_blocks_needed(self, seq_id: SeqId, num_new_tokens: int) -> int:
         """Blocks `allocate_slots(seq_id, num_new_tokens)` would take, copy-on-write included."""
@@ -261,12 +274,16 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         table = self._tables.get(seq_id)
         if table is None:  # admission's rule for one sequence of the prefix and the new tokens
-            covered = prefix.num_tokens if prefix is not None else 0
-            hits = self.prefix.hit_blocks(prefix)
-            plan = self.budget.plan([covered + num_new_tokens], [0], prefix, hits, keep_watermark=False)  # type: ignore[arg-type]
+            covered = prefix.num_tokens if prefix is not None else 0  # (the caller counted on all of it)
+            hits, unqueued = self.prefix.hit_blocks(prefix), self.prefix.num_unqueued(prefix)
+            plan = self.budget.plan([covered + num_new_tokens], [0], prefix, hits, keep_watermark=False,  # type: ignore[arg-type]
+                                    unqueued=unqueued)  # fmt: skip
             if plan.status is not AdmissionStatus.NOW:
                 return None
-            return grow(self._start(seq_id, prefix, policy), self.pool, num_new_tokens)
+            table, copies = self._start(seq_id, prefix, policy)
+            alloc = grow(table, self.pool, num_new_tokens)
+            alloc.copies[:0] = copies
+            return alloc
         if prefix is not None:
             raise ValueError(f"sequence {seq_id!r} exists already; a prefix only starts one")
         if table.on_cpu:
@@ -286,10 +303,12 @@ class KVCacheManager:
     def prepare_sinks(self, seq_id: SeqId) -> list[tuple[int, int, int]]:
         return self.eviction.prepare_sinks(seq_id, self._table(seq_id))
 
-    def _start(self, seq_id: SeqId, prefix: CachedPrefix | None, policy: EvictionPolicy) -> BlockTable:
-        table = self._tables[seq_id] = self.prefix.take(prefix)
+    def _start(self, seq_id: SeqId, prefix: CachedPrefix | None,
+               policy: EvictionPolicy) -> tuple[BlockTable, list[tuple[int, int]]]:  # fmt: skip
+        table, copies = self.prefix.take(prefix)
+        self._tables[seq_id] = table
         self.eviction.open(seq_id, policy or NO_EVICTION)
-        return table
+        return table, copies
 
     # ------------------------------------------------------------------ lifetime
     def fork(self, parent_id: SeqId, child_id: SeqId, num_blocks: int | None = None) -> None:
@@ -367,6 +386,7 @@ class KVCacheManager:
         tables = self._tables
         gpu_refs = Counter(b for t in tables.values() if not t.on_cpu for b in t.resident)
         gpu_refs.update(self.eviction.held_blocks())
+        gpu_refs.update(self.prefix.pinned_blocks())
         cpu_refs = Counter(b for t in tables.values() if t.on_cpu for b in t.resident)
         check_all([
             lambda: self.pool.check_invariants(gpu_refs),

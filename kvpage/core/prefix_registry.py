@@ -9,8 +9,18 @@ KV was never written (and no copy of it goes to the CPU tier).
 `find` looks a prompt's leading full blocks up in the GPU pool's map, then in the CPU tier
 (cpu_tier.py), then in the shared tier (remote_tier.py), whose blocks land in the CPU tier; `take`
 gives a new block table its hits: references to the GPU ones, restored copies of the tier ones. With
-prefix caching off every lookup misses and nothing is registered. Blocks a step registers go to the
-shared tier after that step's forward (`take_transfers`' write-through list), announced at commit.
+prefix caching off every lookup misses and nothing is registered.
+
+Past the last full block hit, the prompt's next tokens may match only the leading slots of a
+registered block (a shared system prompt ends inside a block; each question differs): `find` then
+notes a partial hit, and `take` copies that block into the new table's last block, so only the
+tokens after the match are computed (what a token-level cache such as SGLang's radix tree or
+llama.cpp's slot reuse serves; block-level caches recompute up to block_size - 1 tokens). The source
+is pinned (referenced) from `take` until the step ends, so nothing reuses it before the worker's copy,
+and it must hold written KV: a block registered by the step being scheduled is never a source.
+
+Blocks a step registers go to the shared tier after that step's forward (`take_transfers`'
+write-through list), announced at commit.
 """
 
 from __future__ import annotations
@@ -29,16 +39,27 @@ from kvpage.core.prefix_cache import PrefixCache
 from kvpage.core.remote_tier import RemoteTier
 
 
+@dataclass(slots=True, frozen=True)
+class PartialHit:
+    """The next block's leading tokens, found in a registered GPU block: copied, not recomputed."""
+
+    block_id: int  # the registered source block
+    digest: bytes  # its digest at the lookup (to see that it was not reused since)
+    num_tokens: int  # its leading tokens that equal the prompt's (1 .. block_size - 1)
+
+
 @dataclass(slots=True)
 class CachedPrefix:
-    """The longest run of leading full blocks of a prompt found in the prefix cache."""
+    """The longest run of leading full blocks of a prompt found in the prefix cache, and maybe the
+    leading tokens of the block after them."""
 
     block_ids: list[int | None]  # GPU blocks hit; None where the hit is on the CPU tier
     block_hashes: list[bytes]  # the chain digests of those blocks
-    num_tokens: int  # tokens covered: len(block_ids) * block_size
+    num_tokens: int  # tokens covered: len(block_ids) * block_size, plus the partial hit's
     num_query_tokens: int  # length of the prompt that was looked up
     cache_salt: str | None = None
     tier_block_ids: dict[int, int] = field(default_factory=dict)  # index -> tier block
+    partial: PartialHit | None = None
 
 
 @dataclass(slots=True)
@@ -65,6 +86,7 @@ class PrefixRegistry:
         self.remote = remote if self.tier is not None else None  # its blocks land in the CPU tier
         self._uncommitted: list[Block] = []  # registered by the step being run
         self._written: list[CacheKey] = []  # sent to the shared tier by the step being run
+        self._pinned: list[Block] = []  # sources of the step's partial-hit copies, referenced until it ends
         pool.on_evict = self._on_evict
 
     @property
@@ -114,8 +136,24 @@ class PrefixRegistry:
                 prefix.tier_block_ids[i] = tier_block
             prefix.block_ids.append(block.block_id if block is not None else None)
             prefix.block_hashes.append(digest)
-        prefix.num_tokens = len(prefix.block_ids) * bs
+        self._find_partial(prefix, token_ids)
+        prefix.num_tokens = len(prefix.block_ids) * bs + (prefix.partial.num_tokens if prefix.partial else 0)
         return prefix
+
+    def _find_partial(self, prefix: CachedPrefix, token_ids: Sequence[int]) -> None:
+        """The leading tokens of the block after the full hits, if a registered GPU block holds them
+        (never the prompt's last token, whose logits must be computed)."""
+        bs, i = self.block_size, len(prefix.block_ids)
+        end = min((i + 1) * bs, len(token_ids) - 1)
+        if end <= i * bs:
+            return
+        parent = prefix.block_hashes[-1] if prefix.block_hashes else None
+        unwritten = {b.block_id for b in self._uncommitted}  # their KV is written by the step being scheduled
+        found = self.cache.partial(parent, tuple(token_ids[i * bs : end]), extra_keys_for(i, prefix.cache_salt),  # type: ignore[union-attr]
+                                   unwritten)  # fmt: skip
+        if found is not None:
+            block, n = found
+            prefix.partial = PartialHit(block.block_id, block.cache_key.digest, n)  # type: ignore[union-attr]
 
     def _fetch(self, prefix: CachedPrefix, blocks: list[tuple[bytes, tuple[int, ...]]]) -> None:
         """The shared tier's leading `blocks`, landed in the CPU tier and added to `prefix` as tier hits."""
@@ -149,10 +187,34 @@ class PrefixRegistry:
                 raise RuntimeError("stale CachedPrefix: a hit block was reused since the lookup")
         return blocks
 
-    def take(self, prefix: CachedPrefix | None) -> BlockTable:
-        """A new table holding `prefix`'s hits (references taken, tier hits restored)."""
+    def partial_source(self, prefix: CachedPrefix | None) -> Block | None:
+        """The GPU block a prefix's partial hit copies from (checked to hold the same content still)."""
+        if prefix is None or prefix.partial is None:
+            return None
+        block = self.pool.blocks[prefix.partial.block_id]
+        if block.cache_key is None or block.cache_key.digest != prefix.partial.digest:
+            raise RuntimeError("stale CachedPrefix: the partial hit's block was reused since the lookup")
+        return block
+
+    def drop_partial(self, prefix: CachedPrefix) -> None:
+        """Forget `prefix`'s partial hit: those tokens are computed instead."""
+        if prefix.partial is not None:
+            prefix.num_tokens -= prefix.partial.num_tokens
+            prefix.partial = None
+
+    def num_unqueued(self, prefix: CachedPrefix | None) -> int:
+        """Free (cached) blocks that taking `prefix` takes off the free queue: its GPU hits and the
+        partial hit's source."""
+        held = self.hit_blocks(prefix)
+        source = self.partial_source(prefix)
+        return sum(b.ref_count == 0 for b in held) + (source is not None and source.ref_count == 0)
+
+    def take(self, prefix: CachedPrefix | None) -> tuple[BlockTable, list[tuple[int, int]]]:
+        """A new table holding `prefix`'s hits (references taken, tier hits restored, the partial
+        hit copied into a new last block), and the (src, dst) copies the worker makes first."""
         if prefix is None:
-            return BlockTable([], 0)
+            return BlockTable([], 0), []
+        source = self.partial_source(prefix)
         for block in self.hit_blocks(prefix):
             self.pool.incref(block)
         block_ids = list(prefix.block_ids)
@@ -160,11 +222,28 @@ class PrefixRegistry:
             restored = self.tier.restore(prefix.tier_block_ids, self.pool, self._register)  # type: ignore[union-attr]
             for i, b in restored.items():
                 block_ids[i] = b
+        n, copies = len(block_ids), []
+        if source is not None:
+            self.pool.incref(source)  # pinned first: the allocation below must not hand it out
+            self._pinned.append(source)
+            (copy,) = self.pool.allocate(1)  # type: ignore[misc]
+            self.pool.add_tokens(copy, prefix.partial.num_tokens)  # type: ignore[union-attr]
+            block_ids.append(copy.block_id)
+            copies.append((source.block_id, copy.block_id))
         if self.cache is not None and prefix.num_query_tokens:
             self.cache.num_query_tokens += prefix.num_query_tokens
             self.cache.num_hit_tokens += prefix.num_tokens
-        n = len(block_ids)
-        return BlockTable(block_ids, n * self.block_size, prefix.cache_salt, list(prefix.block_hashes), n)
+        table = BlockTable(block_ids, prefix.num_tokens, prefix.cache_salt, list(prefix.block_hashes), n)
+        return table, copies
+
+    def pinned_blocks(self) -> list[int]:
+        """Blocks referenced by the step being scheduled as the sources of its copies."""
+        return [b.block_id for b in self._pinned]
+
+    def _unpin(self) -> None:
+        for block in self._pinned:
+            self.pool.decref(block)
+        self._pinned.clear()
 
     # ------------------------------------------------------------------ registration
     def register(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int) -> None:
@@ -196,6 +275,7 @@ class PrefixRegistry:
             self.events.stored_remote(key)
         self._uncommitted.clear()
         self._written.clear()
+        self._unpin()
         if self.tier is not None:
             self.tier.unpin()
         self.events.publish()
@@ -207,6 +287,7 @@ class PrefixRegistry:
             if block.cache_key is not None:
                 self.pool.uncache(block)
         self._written.clear()
+        self._unpin()
         if self.tier is not None:
             self.tier.unpin()
         for table in tables:

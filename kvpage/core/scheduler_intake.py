@@ -67,7 +67,7 @@ class Intake:
                         break
                     if adm.status is AdmissionStatus.LATER:
                         return budget, False
-                    self.kv.admit([seq.key], [seq.token_ids], adm)
+                    out.copies.extend(self.kv.admit([seq.key], [seq.token_ids], adm))
                     seq.num_computed = adm.prefix.num_tokens if adm.prefix else 0
                 seq.parked = False
                 self._in_flight.add(req.request_id)
@@ -120,7 +120,7 @@ class Intake:
             if adm.status is AdmissionStatus.LATER:
                 return  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.kv.admit([s.key for s in seqs], tokens, adm, req.eviction)
+            out.copies.extend(self.kv.admit([s.key for s in seqs], tokens, adm, req.eviction))
             lead = seqs[0]
             lead.num_computed = adm.prefix.num_tokens if adm.prefix else 0
             if req.num_cached_tokens is None:  # (what usage.prompt_tokens_details.cached_tokens reports)

@@ -48,6 +48,21 @@ class KVMemory:
         """Copy-on-write on the GPU pool."""
         self._copy_blocks(self.gpu, self.gpu, pairs)
 
+    def copy_before_writes(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies the worker makes before the step's forward (a partial prefix hit's): the source
+        blocks as they were before this step's writes."""
+        before: dict[int, int | None] = {}
+        for slot, prev in self._journal:
+            before.setdefault(slot, prev)
+        bs = self.mgr.block_size
+        for src, dst in pairs:
+            for i in range(bs):
+                value = before[src * bs + i] if src * bs + i in before else self.gpu.get(src * bs + i)
+                if value is None:
+                    self.gpu.pop(dst * bs + i, None)
+                else:
+                    self.gpu[dst * bs + i] = value
+
     def write(self, seq_id: Hashable, start: int, end: int) -> None:
         """The model wrote the KV of tokens [start, end) of the sequence into their slots."""
         tokens = self.tokens[seq_id]

@@ -214,11 +214,122 @@ def test_last_prompt_token_is_never_served_from_cache():
     s.add("a", toks(48))
     # all three blocks are cached, but a 48-token prompt must compute its last token
     p = mgr.find_cached_prefix(toks(48))
-    assert p.block_ids == [0, 1] and p.num_tokens == 32
+    assert p.block_ids == [0, 1] and p.num_tokens == 47  # the third block's first 15 tokens: a partial hit
+    assert (p.partial.block_id, p.partial.num_tokens) == (2, 15)
     assert mgr.find_cached_prefix(toks(49)).block_ids == [0, 1, 2]
-    assert mgr.find_cached_prefix(toks(32)).block_ids == [0]
-    assert mgr.find_cached_prefix(toks(1)).block_ids == []
+    assert mgr.find_cached_prefix(toks(49)).partial is None  # (nothing cached after block 2)
+    p = mgr.find_cached_prefix(toks(32))
+    assert p.block_ids == [0] and (p.partial.block_id, p.partial.num_tokens, p.num_tokens) == (1, 15, 31)
+    assert mgr.find_cached_prefix(toks(1)).num_tokens == 0
     assert mgr.find_cached_prefix([]).block_ids == []
+    finish(s)
+
+
+# ----------------------------------------------------------------------------- partial hits
+
+
+def test_a_prompt_that_ends_inside_a_cached_block_copies_its_leading_tokens():
+    """A shared system prompt of 40 tokens, two different questions: the second request finds the
+    first two blocks and, in block 2, the system prompt's last 8 tokens. It copies block 2 into a
+    block of its own and computes only from token 40; the source is pinned until the step ends."""
+    s = new_seqs()
+    mgr = s.mgr
+    system = toks(40)
+    s.add("a", system + toks(9, 500))  # blocks 0, 1, 2 (full: 40 + 8 tokens), 3
+    prompt = system + toks(5, 700)
+    adm = mgr.check_admission([prompt])
+    assert adm.prefix.block_ids == [0, 1] and (adm.prefix.partial.block_id, adm.prefix.partial.num_tokens) == (2, 8)
+    assert adm.prefix.num_tokens == 40 and adm.blocks_needed == 1  # the copy; the source is a's
+    copies = mgr.admit(["b"], [prompt], adm)
+    s.tokens["b"] = list(prompt)
+    assert copies == [(2, 4)] and mgr.block_table("b") == [0, 1, 4]
+    assert refs(mgr, [0, 1, 2, 4]) == [2, 2, 2, 1]  # block 2: a's, and the pin for the step's copy
+    s.check()  # (the pin counts as a holder)
+    s.cache("b")  # the step ran: the pin goes
+    assert refs(mgr, [0, 1, 2, 4]) == [2, 2, 1, 1]
+    assert mgr.stats().prefix_hit_tokens == 40
+    finish(s)
+
+
+def test_a_free_cached_source_is_pinned_then_goes_back_to_the_free_queue_still_cached():
+    s = new_seqs()
+    mgr = s.mgr
+    s.add("a", toks(48))
+    s.free("a")  # blocks 0-2 free but cached
+    free = mgr.num_free_blocks
+    prompt = toks(40) + [999]
+    adm = mgr.check_admission([prompt])
+    assert (adm.prefix.partial.block_id, adm.prefix.num_tokens) == (2, 40)
+    assert adm.blocks_available == free - 3  # the two hits and the source leave the free queue
+    copies = mgr.admit(["b"], [prompt], adm)
+    s.tokens["b"] = prompt
+    assert copies == [(2, 3)] and mgr.num_free_blocks == free - 4
+    s.cache("b")
+    assert mgr.num_free_blocks == free - 3 and mgr.pool.blocks[2].cache_key is not None
+    assert mgr.find_cached_prefix(toks(48)).partial.block_id == 2  # still hittable
+    finish(s)
+
+
+def test_a_block_the_step_being_scheduled_writes_is_never_a_partial_source():
+    """Its KV is written by the forward, after the worker's copies: the copy would read nothing."""
+    s = new_seqs()
+    mgr = s.mgr
+    s.add("a", toks(48), computed=False)
+    s.cache("a", commit=False)  # registered by the step being scheduled
+    p = mgr.find_cached_prefix(toks(40) + [999])
+    assert p.block_ids == [0, 1] and p.partial is None and p.num_tokens == 32  # full hits are fine in-batch
+    mgr.commit()
+    assert mgr.find_cached_prefix(toks(40) + [999]).partial.block_id == 2
+    finish(s)
+
+
+def test_partial_hits_follow_the_chain_and_the_salt():
+    s = new_seqs()
+    mgr = s.mgr
+    s.add("a", toks(33))
+    s.add("salted", toks(17, 100), salt="t")
+    assert mgr.find_cached_prefix(toks(16, 100) + [5]).partial is None  # not unsalted
+    p = mgr.find_cached_prefix(toks(16, 100) + [5], "t")
+    assert p.block_ids == mgr.block_table("salted")[:1] and p.partial is None  # a full hit, nothing after it
+    p = mgr.find_cached_prefix(toks(10, 100) + [5], "t")
+    assert (p.partial.block_id, p.num_tokens) == (mgr.block_table("salted")[0], 10)
+    p = mgr.find_cached_prefix([9] + toks(16, 1) + [5])  # the same tokens one position on: nothing
+    assert p.num_tokens == 0
+    p = mgr.find_cached_prefix(toks(16) + toks(8, 16) + [77, 78])  # after block 0: a's block 1, 8 of 16
+    assert p.block_ids == [0] and (p.partial.block_id, p.partial.num_tokens) == (1, 8)
+    finish(s)
+
+
+def test_a_partial_hit_whose_pin_does_not_fit_is_dropped():
+    """A 4-block pool, a 4-block prompt whose third block starts as a free cached one: pinning that
+    block as well would need 5. The request is admitted without the partial hit."""
+    s = Seqs(new_mgr(num_blocks=4))
+    mgr = s.mgr
+    s.add("a", toks(40))
+    s.free("a")  # blocks 0, 1 cached; block 2 (8 tokens) not: nothing to copy yet
+    s.add("a", toks(48))
+    s.free("a")
+    prompt = toks(40) + toks(20, 900)  # 60 tokens: 4 blocks, 2 of them hits
+    adm = mgr.check_admission([prompt])
+    assert adm.status is AdmissionStatus.NOW and adm.prefix.partial is None and adm.prefix.num_tokens == 32
+    assert mgr.admit(["b"], [prompt], adm) == []
+    s.tokens["b"] = prompt
+    s.cache("b")
+    finish(s)
+
+
+def test_a_stale_partial_hit_is_refused():
+    s = new_seqs()
+    mgr = s.mgr
+    s.add("a", toks(48))
+    s.free("a")
+    p = mgr.find_cached_prefix(toks(40) + [999])
+    assert p.block_ids == [0, 1] and p.partial.block_id == 2
+    s.grow("c", toks(9 * BS, 300))  # the 8 never-used blocks, then block 2 (a's blocks went back 2, 1, 0)
+    assert mgr.block_table("c")[-1] == 2 and mgr.pool.blocks[0].cache_key is not None
+    with pytest.raises(RuntimeError, match="partial hit's block was reused"):
+        mgr.allocate_slots("b", 1, p)
+    assert not mgr.has_sequence("b")
     finish(s)
 
 

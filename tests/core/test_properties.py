@@ -85,17 +85,22 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         seq_id = self.new_id()
         hit = self.mgr.find_cached_prefix(prompt, salt)
-        assert hit.num_tokens < len(prompt) and hit.num_tokens % self.mgr.block_size == 0
+        bs, partial = self.mgr.block_size, hit.partial.num_tokens if hit.partial else 0
+        assert hit.num_tokens < len(prompt) and hit.num_tokens == len(hit.block_ids) * bs + partial and partial < bs
         admission = self.mgr.check_admission([prompt], salt)
         assert admission.prefix.block_ids == hit.block_ids and admission.shared_blocks == [0]
         before = self.mgr.stats()
         alloc = self.mgr.allocate_slots(seq_id, len(prompt) - hit.num_tokens, hit, self.policy_of(seq_id))
-        if alloc is None:
-            assert admission.status is not AdmissionStatus.NOW
+        if alloc is None:  # (admission would have dropped a partial hit whose pinned source does not fit)
+            assert admission.status is not AdmissionStatus.NOW or (hit.partial and not admission.prefix.partial)
             assert self.mgr.stats() == before and not self.mgr.has_sequence(seq_id)
             return
-        assert alloc.copies == []
+        partial_copy = [(hit.partial.block_id, self.mgr.block_table(seq_id)[len(hit.block_ids)])] if partial else []
+        if partial:
+            event("partial prefix hit")
+        assert alloc.copies == partial_copy
         self.mem.transfers()  # hits on the CPU tier are copied back into their new blocks
+        self.mem.copy_before_writes(alloc.copies)
         self.created_now(seq_id, prompt, hit.num_tokens)  # the hits' KV is there already
 
     @rule(
@@ -129,8 +134,14 @@ class ManagerMachine(RuleBasedStateMachine):
         free_before = pool.num_free
         tiered = adm.prefix.tier_block_ids  # hits on the CPU tier (None in hits): each takes a new block
         taken_hits = sum(pool.blocks[b].ref_count == 0 for i, b in enumerate(hits) if i not in tiered)
-        self.mgr.admit(ids, lists, adm, self.policy_of(ids[0]))
+        partial = adm.prefix.partial
+        if partial is not None:
+            event("partial prefix hit (admitted)")
+        taken_hits += partial is not None and pool.blocks[partial.block_id].ref_count == 0  # (pinned for the step)
+        copies = self.mgr.admit(ids, lists, adm, self.policy_of(ids[0]))
+        assert copies == ([(partial.block_id, self.mgr.block_table(ids[0])[len(hits)])] if partial else [])
         self.mem.transfers()
+        self.mem.copy_before_writes(copies)
         assert free_before - pool.num_free == adm.blocks_needed + taken_hits  # the plan's count is exact
         lead_table = self.mgr.block_table(ids[0])
         assert all(lead_table[i] == b for i, b in enumerate(hits) if i not in tiered)
@@ -138,7 +149,8 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.mgr.num_tokens(seq_id) == len(toks)
             assert self.mgr.block_table(seq_id)[:m] == lead_table[:m] and toks[: m * bs] == lead[: m * bs]
             # KV written so far: the hits (the lead computes the rest of the blocks it shares later)
-            self.created_now(seq_id, list(toks), (len(hits) if i == 0 else min(m, len(hits))) * bs)
+            lead_computed = adm.prefix.num_tokens if use_prefix_cache else 0
+            self.created_now(seq_id, list(toks), lead_computed if i == 0 else min(m * bs, len(hits) * bs))
 
     @precondition(lambda self: self.resident())
     @rule(data=st.data())

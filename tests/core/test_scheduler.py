@@ -323,11 +323,14 @@ def test_samples_give_way_one_by_one_and_finish_where_the_gang_failed(mode):
             [("wide", 1, [107], 8, [0, 2, 1], True)],  # back: its first 8 tokens are prefix hits
             [("wide", 1, [112], 9, [0, 2, 1], True)],
             [("wide", 1, [113], 10, [0, 2, 1], True)],
-            # sample 2's own block was reused by sample 0: it recomputes from token 4; next goes at last
-            [("wide", 2, [5, 6, 101, 105, 108], 4, [0, 3, 1], True), ("next", 0, [9, 9, 102], 0, [2], True)],
-            [("wide", 2, [115], 9, [0, 3, 1], True)],
-            [("wide", 2, [117], 10, [0, 3, 1], True)],
+            # sample 2's own block was reused by sample 0, but sample 1's block 2 starts as its did
+            # ([5, 6, 101]): copied into block 3, so it recomputes from token 7 only
+            [("wide", 2, [105, 108], 7, [0, 3, 1], True)],
+            # the copy's source was pinned for that step: next goes now, at last
+            [("wide", 2, [115], 9, [0, 3, 1], True), ("next", 0, [9, 9, 102], 0, [2], True)],
+            [("wide", 2, [116], 10, [0, 3, 1], True)],
         ]
+        assert trace[9][1] == [(2, 3)]  # the partial hit's copy
         assert (s.num_preemptions, s.num_swapped_out) == (3, 0)
     else:
         assert [(t[0], t[3]) for t in trace[4:7]] == [

@@ -29,6 +29,33 @@ def test_prefix_caching_on_and_off(prompts, hf_f32_greedy, caching):
     assert_clean(llm)
 
 
+def test_prompts_that_part_inside_a_cached_block(smollm2, hf_f32):
+    """A system prompt that ends inside a block, then other questions: each later request copies the
+    leading tokens of that block from the first one's (a partial hit) and computes only its own
+    question, with transformers' tokens. One is run alone, two more in one batch."""
+    from tests.conftest import hf_greedy
+
+    tok = smollm2.tokenizer
+    system = "You are a careful assistant for a shop that sells bicycles, parts and repairs. " * 3
+    questions = ["What time do you open?", "Do you fix brakes?", "How much is a bell?"]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "system", "content": system},
+                                                   {"role": "user", "content": q}])) for q in questions]  # fmt: skip
+    common = 0
+    while prompts[0][common] == prompts[1][common] == prompts[2][common]:
+        common += 1
+    assert common % 16, "the shared part must end inside a block for this test to mean anything"
+    llm = make_llm()
+    n = 12
+    first = llm.generate([prompts[0]], greedy(n), use_tqdm=False)
+    rest = llm.generate(prompts[1:], greedy(n), use_tqdm=False)
+    assert first[0].num_cached_tokens == 0
+    for out in rest:
+        assert out.num_cached_tokens >= common > common // 16 * 16  # past the last full block shared
+    got = [o.outputs[0].token_ids for o in first + rest]
+    assert got == [hf_greedy(hf_f32, p, n)[0] for p in prompts]
+    assert_clean(llm)
+
+
 def test_reference_backend_where_no_compiler_is(prompts, hf_f32_greedy):
     """The pure-torch path (attention and per-layer math), which runs where the kernels cannot be built;
     the kernels themselves are the default and run in every other test here."""
