@@ -4,7 +4,8 @@ It plays the scheduler's part in the simplest way (no preemption, a pool big eno
 each step every sequence gets its next prompt chunk, or its last sampled token; blocks come from
 `KVCacheManager.allocate_slots`, prefix-cache hits from `find_cached_prefix`. As the scheduler does,
 it registers the full blocks a step computes (`cache_blocks`) as soon as the step is planned, so a
-prompt arriving later in the same step hits them, and commits after the step ran. The driver owns
+prompt arriving later in the same step hits them, and commits after the step ran. A partial prefix
+hit's block copy goes to the worker with the step. The driver owns
 each sequence's tokens (the manager only counts them).
 """
 
@@ -47,7 +48,7 @@ def greedy_generate(
     step_no = -1
     while any(len(g) < max_new_tokens for g in generated):
         step_no += 1
-        step = []
+        step, copies = [], []
         for i, seq_id in enumerate(ids):
             if len(generated[i]) >= max_new_tokens or start_steps[i] > step_no:
                 continue
@@ -58,14 +59,16 @@ def greedy_generate(
             end = len(tokens[i]) if chunk_size is None else min(len(tokens[i]), computed[i] + chunk_size)
             num_slots = mgr.num_tokens(seq_id) if prefix is None else prefix.num_tokens
             alloc = mgr.allocate_slots(seq_id, end - num_slots, prefix)
-            assert alloc is not None and not alloc.copies, "the test pool must be large enough"
+            assert alloc is not None, "the test pool must be large enough"
+            assert prefix is not None or not alloc.copies  # (no forks here; a partial prefix hit copies)
+            copies.extend(alloc.copies)
             mgr.cache_blocks(seq_id, tokens[i], end)  # hits for prompts planned after this one
             step.append(
                 ScheduledSequence(
                     seq_id, tokens[i][computed[i] : end], computed[i], mgr.block_table(seq_id), end == len(tokens[i])
                 )
             )
-        out = runner.execute(SchedulerOutput(step))
+        out = runner.execute(SchedulerOutput(step, copies=copies))
         mgr.commit()
         for s in step:
             i = ids.index(s.seq_id)
