@@ -896,6 +896,23 @@ Tensor linear_rows(Tensor x, Tensor w, std::optional<Tensor> bias, bool one_orde
 // stays in cache, then runs the float32 row kernel over it for every row of x: the weights cross the
 // memory bus at 1 or 0.56 bytes each instead of 4.
 
+// Three streams per row (levels, scales, mins) and little work per byte: the hardware prefetcher
+// alone left a one-row int4 product at ~5 GB/s from memory (~19 GB/s from cache; Sapphire Rapids,
+// 2 cores). Asking for row n + 8 while row n computes keeps the bus busy (~15 GB/s).
+constexpr int64_t kPrefetchRows = 8;
+
+// (always inlined: as a call it left the product as slow as without it, ~3x)
+__attribute__((always_inline)) inline void prefetch_quant_row(int bits, const uint8_t* q, const float* d, const float* mn, int64_t K, int64_t n) {
+#if defined(__SSE__)
+  const int64_t groups = K / 32, row_bytes = bits == 8 ? K : K / 2;
+  for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(q + n * row_bytes + off), _MM_HINT_T0);
+  for (int64_t off = 0; off < groups; off += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(d + n * groups + off), _MM_HINT_T0);
+    if (bits == 4) _mm_prefetch(reinterpret_cast<const char*>(mn + n * groups + off), _MM_HINT_T0);
+  }
+#endif
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 // The 32 levels of group g of weight row n as floats (int8: -127..127, int4: 0..15), in registers.
 inline void widen_group(int bits, const uint8_t* q, int64_t K, int64_t n, int64_t g, __m256 lv[4]) {
@@ -920,6 +937,7 @@ inline void dequant_rows(int bits, const uint8_t* q, const float* d, const float
                          int64_t n1, float* buf) {
   const int64_t groups = K / 32;
   for (int64_t n = n0; n < n1; ++n) {
+    if (n + kPrefetchRows < n1) prefetch_quant_row(bits, q, d, mn, K, n + kPrefetchRows);
     for (int64_t g = 0; g < groups; ++g) {
       const float dg = d[n * groups + g], mg = bits == 4 ? mn[n * groups + g] : 0.f;
       float* o = buf + (n - n0) * K + 32 * g;
@@ -974,6 +992,7 @@ void rows_quant_avx2(int bits, const float* xf, const float* xsum, int64_t K, co
                      const float* mn, int64_t b, int64_t e, float* out, int64_t ostride) {
   const int64_t groups = K / 32;
   for (int64_t n = b; n < e; ++n) {
+    if (n + kPrefetchRows < e) prefetch_quant_row(bits, q, d, mn, K, n + kPrefetchRows);
     __m256 acc[MM];
     float minterm[MM];
     for (int m = 0; m < MM; ++m) acc[m] = _mm256_setzero_ps(), minterm[m] = 0.f;
