@@ -28,6 +28,7 @@ import torch
 
 from kvpage.attention import get_backend
 from kvpage.core.kv_bytes import MODEL_DTYPE_NAMES
+from kvpage.heap import return_freed_memory
 from kvpage.models.config import ModelConfig
 from kvpage.models.layer_ops import KernelLayerOps, TorchLayerOps
 from kvpage.models.llama import LlamaForCausalLM
@@ -181,27 +182,8 @@ def load_model(
     loaded = _load(model, dtype, device, backend, seed, use_cache)
     if weight_dtype is not None:
         quantize_model(loaded.model, weight_dtype)
-    return_freed_memory()
+    return_freed_memory()  # the load's float32 copies (an int4 server: ~1.1 GB resident instead of ~0.6 GB)
     return loaded
-
-
-def return_freed_memory() -> None:
-    """Hand the heap the load freed (float32 copies of the weights, the unquantized ones) back to the
-    system: glibc keeps it otherwise, and the process stays that much bigger for its whole life
-    (an int4 server: ~1.1 GB resident instead of ~0.6 GB). Does nothing where there is no glibc."""
-    import ctypes
-    import ctypes.util
-    import gc
-
-    gc.collect()
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        trim = getattr(libc, "malloc_trim", None)
-    except OSError:
-        trim = None
-    if trim is not None:
-        trim(0)
 
 
 def _load(model, dtype, device: str, backend: str, seed: int, use_cache: bool) -> LoadedModel:

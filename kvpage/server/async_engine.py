@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvpage.engine.llm_engine import LLMEngine
+from kvpage.heap import return_freed_memory
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams
 
@@ -119,7 +120,7 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
     def _run(self) -> None:
-        engine = self.engine
+        engine, busy = self.engine, False
         try:
             while not self._stopped:
                 while True:
@@ -141,9 +142,13 @@ class AsyncEngine:
                         if self.on_abort is not None:
                             self.on_abort(cmd[1])
                 if not engine.has_unfinished_requests():
+                    if busy:  # just gone idle: the steps' freed buffers go back to the system
+                        return_freed_memory(collect=False)
+                        busy = False
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                 else:
+                    busy = True
                     for out in engine.step():
                         if self.on_output is not None:
                             self.on_output(out)
