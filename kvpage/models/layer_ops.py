@@ -54,6 +54,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 #     lm_head) and wins above; torch's bfloat16 GEMM runs on AMX tiles with a ~60-100 us floor per
 #     call: the kernel (VDPBF16PS there) wins at 1-4 rows (2.2-4x at 1), torch from 6 (27x at 256);
 #     the quantized kernel (either dtype) wins up to 16 rows, dequantize + GEMM above.
+#     Re-measured 2026-12-03 with benchmarks/linear_policy.py, all 30 layers' weights from memory
+#     rather than one layer's from cache: bfloat16 kernel 1.6x torch at 1 row, a tie at 3, torch
+#     ahead from 4 (21 vs 19 ms a pass): the bound is 3 on this kind; quantized 16 holds (int4 ties
+#     torch at 24 float32 rows).
 UNLIMITED = 1 << 62
 
 
@@ -71,9 +75,11 @@ class LinearPolicy:
     def for_cpu(flags: set[str] | None = None) -> LinearPolicy:
         flags = cpu_flags() if flags is None else flags  # under KVPAGE_CPU_KIND, that kind's flags
         avx512, native_bf16 = "avx512f" in flags, cpu_has_native_bf16(flags)
-        f32 = 128 if kind_of(flags) == "avx512_bf16" else 0 if avx512 else 64
+        kind = kind_of(flags)
+        f32 = 128 if kind == "avx512_bf16" else 0 if avx512 else 64
+        bf16 = (3 if kind == "amx" else 4) if native_bf16 else UNLIMITED
         return LinearPolicy(
-            plain={torch.float32: f32, torch.bfloat16: 4 if native_bf16 else UNLIMITED},
+            plain={torch.float32: f32, torch.bfloat16: bf16},
             quantized={torch.float32: 16 if avx512 else 64, torch.bfloat16: 16 if native_bf16 else UNLIMITED},
         )
 
