@@ -19,7 +19,7 @@ from kvpage.engine.llm_engine import LLMEngine
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int]  # (vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts are accepted too)
 
 
 class LLM:
@@ -128,16 +128,31 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+    if isinstance(prompts, str | dict):
+        return [_one_prompt(prompts)]
     if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     if isinstance(prompts, Sequence) and not isinstance(prompts, str | bytes):
-        out = list(prompts)
+        out = [_one_prompt(p) for p in prompts]
         if not out:
             raise ValueError("prompts is empty")
-        for p in out:
-            if not (isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p))):
-                raise ValueError("each prompt must be a string or a list of token ids")
         return out
     raise ValueError("prompts must be a string, a list of strings, or a list of token-id lists")
+
+
+def _one_prompt(p) -> Prompt:
+    """A string, a list of token ids, or vLLM's {"prompt": str} / {"prompt_token_ids": [int, ...]}."""
+    if isinstance(p, dict):
+        unknown = sorted(set(p) - {"prompt", "prompt_token_ids"})
+        if unknown:
+            raise ValueError(
+                f"unsupported prompt field(s) {unknown}: a prompt dict takes 'prompt' or 'prompt_token_ids'"
+            )
+        if ("prompt" in p) == ("prompt_token_ids" in p):
+            raise ValueError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+        p = p.get("prompt", p.get("prompt_token_ids"))
+        if isinstance(p, tuple):
+            p = list(p)
+    if not (isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p))):
+        raise ValueError("each prompt must be a string or a list of token ids")
+    return p

@@ -82,10 +82,26 @@ def test_invalid_engine_and_request_input_take_no_blocks(llm, prompts):
         llm.generate([""], greedy(4), use_tqdm=False)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([[1, 2, 10**7]], greedy(4), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"unsupported prompt field\(s\) \['multi_modal_data'\]"):
+        llm.generate({"prompt": "hi", "multi_modal_data": {}}, greedy(4), use_tqdm=False)
+    with pytest.raises(ValueError, match="exactly one of 'prompt' and 'prompt_token_ids'"):
+        llm.generate([{"prompt": "hi", "prompt_token_ids": [1]}], greedy(4), use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params has 2 entries for 3 prompts"):
         llm.generate(prompts[:3], [greedy(2), greedy(2)], use_tqdm=False)
     with pytest.raises(ValueError, match="already in use"):
         llm.llm_engine.add_request("dup", prompts[0], greedy(2))
         llm.llm_engine.add_request("dup", prompts[0], greedy(2))
     llm.llm_engine.abort_request("dup")
+    assert_clean(llm)
+
+
+def test_prompts_as_vllm_dicts(llm, prompts):
+    """vLLM's TextPrompt / TokensPrompt dicts give what their plain forms give."""
+    text = "The capital of France is"
+    plain = llm.generate([text, prompts[0]], greedy(4), use_tqdm=False)
+    dicts = llm.generate([{"prompt": text}, {"prompt_token_ids": prompts[0]}], greedy(4), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert dicts[1].prompt_token_ids == prompts[0]
+    one = llm.generate({"prompt_token_ids": prompts[0]}, greedy(4), use_tqdm=False)
+    assert one[0].outputs[0].token_ids == plain[1].outputs[0].token_ids
     assert_clean(llm)
