@@ -334,9 +334,15 @@ class KVCacheManager:
             self.pool.incref(self.pool.blocks[b])
         self._tables[child_id] = child
 
-    def free(self, seq_id: SeqId) -> None:
-        """Release a finished or aborted sequence; its blocks go back tail first."""
+    def free(self, seq_id: SeqId, token_ids: Sequence[int] | None = None, num_computed: int = 0) -> None:
+        """Release a finished or aborted sequence; its blocks go back tail first. With its
+        `token_ids` and the number of them whose KV is written, its partly filled last block stays
+        cached as a source of partial prefix hits (prefix_registry.py: `register_tail`)."""
         table = self._table(seq_id)
+        if token_ids is not None:
+            if not 0 <= num_computed <= min(table.num_tokens, len(token_ids)):
+                raise IndexError(f"{num_computed} computed tokens for a sequence of {table.num_tokens} slots")
+            self.prefix.register_tail(table, token_ids, num_computed)
         del self._tables[seq_id]
         copies = self.eviction.close(seq_id)
         if table.on_cpu:

@@ -38,9 +38,13 @@ class Preemption:
         return True
 
     def drop(self, seq: Sequence) -> None:
-        """Recompute: free the sequence's blocks (GPU or swapped), keep its tokens."""
+        """Recompute: free the sequence's blocks (GPU or swapped), keep its tokens. Its cached blocks,
+        the partly filled last one included, serve its recompute if nothing reuses them first."""
         if self.kv.has_sequence(seq.key):
-            self.kv.free(seq.key)
+            if seq.depends_on is None:
+                self.kv.free(seq.key, seq.token_ids, seq.num_computed)
+            else:  # (its num_computed counts blocks its lead may not have recomputed yet)
+                self.kv.free(seq.key)
         seq.num_computed = 0
         seq.depends_on = None
 

@@ -18,6 +18,11 @@ tokens after the match are computed (what a token-level cache such as SGLang's r
 llama.cpp's slot reuse serves; block-level caches recompute up to block_size - 1 tokens). The source
 is pinned (referenced) from `take` until the step ends, so nothing reuses it before the worker's copy,
 and it must hold written KV: a block registered by the step being scheduled is never a source.
+A sequence that ends (or is preempted by recompute) registers its partly filled last block too
+(`register_tail`), under the digest of the tokens it holds: no full-block lookup can find it, a
+partial lookup can (the same prompt again: everything but its last token is copied; the next turn
+of a chat: the end of the answer). Such tail blocks are local: never announced as KV events, never
+offloaded to the CPU tier.
 
 Blocks a step registers go to the shared tier after that step's forward (`take_transfers`'
 write-through list), announced at commit.
@@ -262,6 +267,27 @@ class PrefixRegistry:
             self._register(self.pool.blocks[table.block_ids[i]], key)  # type: ignore[index]
         table.num_registered = max(table.num_registered, num_full)
 
+    def register_tail(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
+        """The sequence ends with the KV of its first `num_computed` tokens written (its full blocks
+        were registered by the steps that computed them): its partly filled last block, when it
+        holds it alone, is registered under its leading tokens, as a source of partial hits."""
+        bs, i = self.block_size, num_computed // self.block_size
+        n = num_computed - i * bs
+        if self.cache is None or table.on_cpu or table.num_holes or not n or i >= len(table.block_ids):
+            return
+        if not i == len(table.block_hashes) == table.num_registered:  # (e.g. just swapped in: not offered yet)
+            return
+        block = self.pool.blocks[table.block_ids[i]]  # type: ignore[index]
+        if block.ref_count != 1 or block.cache_key is not None:
+            return
+        parent = table.block_hashes[-1] if i else None
+        chunk, extra = tuple(token_ids[i * bs : num_computed]), extra_keys_for(i, table.cache_salt)
+        self.cache.register(block, CacheKey(hash_block(parent, chunk, extra), parent, chunk, extra))
+
+    def is_tail(self, block: Block) -> bool:
+        """A registered tail block (partly filled), not a full one."""
+        return block.cache_key is not None and len(block.cache_key.token_ids) < self.block_size
+
     def _register(self, block: Block, key: CacheKey) -> None:
         if self.cache.register(block, key):  # type: ignore[union-attr]
             self._uncommitted.append(block)
@@ -301,7 +327,9 @@ class PrefixRegistry:
 
     def _on_evict(self, block: Block) -> None:
         """`block` (registered) is about to be reused: announce it gone, and keep a copy in the tier
-        if a committed step wrote its KV."""
+        if a committed step wrote its KV (a tail block: neither, it was never announced)."""
+        if self.is_tail(block):
+            return
         self.events.removed(block.cache_key, GPU)  # type: ignore[arg-type]
         if self.tier is not None and block not in self._uncommitted:
             self.tier.offload(block)
@@ -321,14 +349,18 @@ class PrefixRegistry:
             for digest, block in self.cache.items():
                 key = block.cache_key
                 check(key is not None and key.digest == digest, lambda: f"block {block.block_id}: hash map entry")
-                check(key.is_consistent() and len(key.token_ids) == bs,  # type: ignore[union-attr]
+                check(key.is_consistent() and 0 < len(key.token_ids) <= bs,  # type: ignore[union-attr]
                       f"block {block.block_id}: stored tokens do not hash to its key")  # fmt: skip
+                pins = sum(p is block for p in self._pinned)  # (a partial hit's source, until the step ends)
+                check(len(key.token_ids) == bs or block.ref_count == pins,  # type: ignore[union-attr]
+                      f"block {block.block_id}: a tail block is in a table")  # fmt: skip
             registered = sum(b.cache_key is not None for b in self.pool.blocks)
             check(registered == len(self.cache), "a block carries a key the map does not hold")
         if self.tier is not None:
             self.tier.check_invariants()
         uncommitted = {id(b) for b in self._uncommitted}
-        gpu = {d for d, b in self.cache.items() if id(b) not in uncommitted} if self.cache is not None else set()
+        gpu = ({d for d, b in self.cache.items() if id(b) not in uncommitted and not self.is_tail(b)}
+               if self.cache is not None else set())  # fmt: skip
         cpu = {d for d, _ in self.tier.pool.prefix_cache.items()} if self.tier is not None else set()  # type: ignore[union-attr]
         self.events.check_invariants(gpu, cpu)
         check(all(b.cache_key is not None and b.ref_count > 0 for b in self._uncommitted),

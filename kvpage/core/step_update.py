@@ -73,4 +73,4 @@ def apply_update(req: Request, update: RequestUpdate, kv: KVCacheManager) -> Non
             seq = req.sequences[u.index]
             seq.finish_reason, seq.stop_reason = u.finish_reason, u.stop_reason
             if kv.has_sequence(seq.key):
-                kv.free(seq.key)
+                kv.free(seq.key, seq.token_ids, seq.num_computed)  # (its tail block stays cached)

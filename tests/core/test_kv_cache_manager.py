@@ -850,3 +850,58 @@ def test_misuse_raises_clear_errors():
     with pytest.raises(ValueError, match="block_size"):
         KVCacheManager(4, 0)
     finish(s)
+
+
+def test_a_sequence_that_ends_leaves_its_partly_filled_last_block_cached_as_a_tail():
+    """Freed with its tokens, a sequence's last block (8 of 16 slots) is registered under those 8
+    tokens: the same prompt again computes only its last token, a longer one (the next turn of a
+    chat) only what follows. No full-block lookup can find a tail."""
+    s = new_seqs()
+    mgr = s.mgr
+    prompt = toks(40)
+    s.add("a", prompt)
+    mgr.free("a", prompt, 40)
+    del s.tokens["a"]
+    tail = mgr.pool.blocks[2]
+    assert tail.ref_count == 0 and tail.cache_key.token_ids == tuple(prompt[32:40])
+    p = mgr.find_cached_prefix(prompt)
+    assert p.block_ids == [0, 1] and (p.partial.block_id, p.partial.num_tokens, p.num_tokens) == (2, 7, 39)
+    p = mgr.find_cached_prefix(prompt + [999, 998])
+    assert (p.partial.block_id, p.num_tokens) == (2, 40)
+    assert mgr.find_cached_prefix(toks(48) + [5]).num_tokens == 40  # (a full block 2 would be a tail's 8)
+    mgr.check_invariants()
+    finish(s)
+
+
+def test_a_tail_is_kept_only_for_a_block_held_alone_and_never_announced_or_offloaded():
+    s = Seqs(new_mgr(num_blocks=4, num_tier_blocks=2))
+    mgr = s.mgr
+    s.add("a", toks(24))
+    s.fork("a", "b")  # both hold block 1 (8 tokens)
+    mgr.free("a", toks(24), 24)
+    del s.tokens["a"]
+    assert mgr.pool.blocks[1].cache_key is None  # b still holds it
+    mgr.free("b", toks(24), 24)
+    del s.tokens["b"]
+    assert mgr.pool.blocks[1].cache_key.token_ids == tuple(range(16, 24))
+    batches, _ = mgr.events.since(0)
+    announced = [d for b in batches for e in b.events for d in getattr(e, "block_hashes", [])]
+    assert announced == [mgr.pool.blocks[0].cache_key.digest.hex()]  # block 0 only, never the tail
+    s.grow("c", toks(4 * BS, 500))  # every block reused: block 0 goes to the tier, the tail does not
+    assert len(mgr.tier.prefix_cache) == 1
+    finish(s)
+
+
+def test_a_sequence_with_uncomputed_slots_keeps_only_what_was_computed():
+    s = new_seqs()
+    mgr = s.mgr
+    s.add("a", toks(40), computed=False)
+    s.cache("a", 20)  # an abort after the first 20 tokens: slots for 40, KV for 20
+    mgr.free("a", toks(40), 20)
+    del s.tokens["a"]
+    assert mgr.pool.blocks[1].cache_key.token_ids == tuple(range(16, 20))
+    assert mgr.find_cached_prefix(toks(40)).num_tokens == 20
+    with pytest.raises(IndexError, match="41 computed tokens"):
+        s.add("b", toks(40))
+        mgr.free("b", toks(40), 41)
+    finish(s)

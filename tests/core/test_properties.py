@@ -228,7 +228,12 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data):  # finished or aborted (mid-prefill when computed < tokens)
         seq_id = data.draw(st.sampled_from(self.untouched()))
-        self.mgr.free(seq_id)
+        if data.draw(st.booleans()):  # as the scheduler frees a sequence that ends: its tail stays cached
+            self.mgr.free(seq_id, self.tokens[seq_id], self.computed[seq_id])
+            if any(self.mgr.prefix.is_tail(b) for b in self.mgr.pool.blocks):
+                event("a tail block cached")
+        else:
+            self.mgr.free(seq_id)
         self.forget(seq_id)
 
     @precondition(lambda self: [s for s in self.untouched() if not self.mgr.is_swapped(s)])
@@ -319,7 +324,7 @@ class TieredManagerMachine(ManagerMachine):
         self.mgr.cache_blocks(seq_id, self.tokens[seq_id], n)
         self.mgr.commit()
         self.mem.commit()
-        self.mgr.free(seq_id)
+        self.mgr.free(seq_id, self.tokens[seq_id], n)
         self.forget(seq_id)
 
     @precondition(lambda self: self.seen)

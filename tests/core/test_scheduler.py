@@ -127,13 +127,16 @@ def _preempted_n3_request(caching: bool):
 def test_a_preempted_request_with_three_samples_comes_back_sharing_its_prompt():
     s = _preempted_n3_request(caching=True)
     # free queue now: 5, then a's freed blocks 3, 2, then b's 4, 1, 0. a's lead hits cached block 2;
-    # the siblings share it with the lead (the old admission counted that hit three times and hung)
+    # the siblings share it with the lead (the old admission counted that hit three times and hung).
+    # Block 3 ([5, 6], shared by the three) stayed cached as a tail when the last sample let it go:
+    # the lead copies it (a partial hit) and computes only its 7; the siblings recompute their own
     out, _ = step(s, tok("a", (0, 10), (1, 11), (2, 12)))
     assert seqs(out) == [
-        ("a", 0, [5, 6, 7], 4, [2, 5], True),
-        ("a", 1, [5, 6, 8], 4, [2, 3], True),
-        ("a", 2, [5, 6, 9], 4, [2, 4], True),
+        ("a", 0, [7], 6, [2, 5], True),
+        ("a", 1, [5, 6, 8], 4, [2, 4], True),
+        ("a", 2, [5, 6, 9], 4, [2, 1], True),
     ]
+    assert out.copies == [(3, 5)]
     assert [q.output_token_ids for q in s.requests["a"].sequences] == [[7, 10], [8, 11], [9, 12]]
     s.abort_request("a")
     assert_empty(s)
