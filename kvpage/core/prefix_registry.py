@@ -147,7 +147,9 @@ class PrefixRegistry:
 
     def _find_partial(self, prefix: CachedPrefix, token_ids: Sequence[int]) -> None:
         """The leading tokens of the block after the full hits, if a registered GPU block holds them
-        (never the prompt's last token, whose logits must be computed)."""
+        (never the prompt's last token, whose logits must be computed). In a prompt's first block at
+        least half a block must match: every chat prompt starts with the same few template tokens,
+        and a copy for those would save nothing worth a block (and call every new prompt cached)."""
         bs, i = self.block_size, len(prefix.block_ids)
         end = min((i + 1) * bs, len(token_ids) - 1)
         if end <= i * bs:
@@ -156,7 +158,7 @@ class PrefixRegistry:
         unwritten = {b.block_id for b in self._uncommitted}  # their KV is written by the step being scheduled
         found = self.cache.partial(parent, tuple(token_ids[i * bs : end]), extra_keys_for(i, prefix.cache_salt),  # type: ignore[union-attr]
                                    unwritten)  # fmt: skip
-        if found is not None:
+        if found is not None and (i or 2 * found[1] >= bs):
             block, n = found
             prefix.partial = PartialHit(block.block_id, block.cache_key.digest, n)  # type: ignore[union-attr]
 

@@ -905,3 +905,14 @@ def test_a_sequence_with_uncomputed_slots_keeps_only_what_was_computed():
         s.add("b", toks(40))
         mgr.free("b", toks(40), 41)
     finish(s)
+
+
+def test_in_the_first_block_a_partial_hit_needs_half_a_block():
+    """Chat prompts all start with the template's few tokens: no copy for those alone."""
+    s = new_seqs()
+    mgr = s.mgr
+    s.add("a", toks(20))
+    assert mgr.find_cached_prefix(toks(7) + [900, 901]).num_tokens == 0  # 7 of 16: not worth a block
+    p = mgr.find_cached_prefix(toks(8) + [900, 901])
+    assert (p.partial.block_id, p.num_tokens) == (0, 8)
+    finish(s)
