@@ -21,12 +21,12 @@ import statistics
 import sys
 import time
 
+import httpx
 from _report import append_results, parse, write_json
 from peers import gguf_of, kvpage_args, llama_binaries, start_llama
 from serving import WORDS, make_client, start_server
 
 CONTEXT = 2048  # tokens of context either server holds (kvpage: 128 blocks of 16)
-KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2  # SmolLM2-135M, bfloat16 K and V
 
 
 def system_prompt(words: int = 900, seed: int = 11) -> str:
@@ -70,11 +70,21 @@ def memory_mb(pid: int) -> dict[str, int]:
     return out
 
 
+def kv_pool_mb(url: str) -> int:
+    """The KV pool a kvpage server reports (/metrics), 0 for another server."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    for line in text.splitlines():
+        if line.startswith("kvpage:kv_cache_bytes{") and 'state="total"' in line:
+            return int(float(line.rsplit(" ", 1)[1])) // 2**20
+    return 0
+
+
 def measure(start, n: int) -> dict:
     proc, url = start()
     try:
         times = asyncio.run(drive(url, n))
         mem = memory_mb(proc.pid)
+        pool = kv_pool_mb(url)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -83,7 +93,7 @@ def measure(start, n: int) -> dict:
     p90 = sorted(first)[int(0.9 * (len(first) - 1))]
     return {"ttft_s": times, "cold_s": times[0], "first_max_s": max(first), "first_p90_s": p90,
             "warm_median_s": median, "first_max_over_warm": max(first) / median, "rss_mb": mem["VmRSS"],
-            "peak_rss_mb": mem["VmHWM"]}  # fmt: skip
+            "peak_rss_mb": mem["VmHWM"], "kv_pool_mb": pool}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, data = [], {}
     for name, start in servers:
         r = data[name] = measure(start, args.requests)
-        kv_mb = CONTEXT * KV_BYTES_PER_TOKEN // 2**20 if name.startswith("kvpage") else 0
+        kv_mb = r["kv_pool_mb"]
         ms = {k: f"{r[k] * 1000:.0f}" for k in ("cold_s", "first_max_s", "first_p90_s")}
         rows.append(f"| {name} | {ms['cold_s']} | {ms['first_max_s']} | {ms['first_p90_s']} | "
                     f"{r['warm_median_s'] * 1000:.0f} | {r['first_max_over_warm']:.2f} | {r['rss_mb']} "

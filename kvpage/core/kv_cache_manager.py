@@ -170,16 +170,17 @@ class KVCacheManager:
         shared = self.budget.shared_with_lead(token_lists)
         return self._plan([len(t) for t in token_lists], shared, prefix, keep_watermark)
 
-    def _plan(self, lengths: list[int], shared: list[int], prefix: CachedPrefix, keep_watermark: bool) -> Admission:
+    def _plan(self, lengths: list[int], shared: list[int], prefix: CachedPrefix, keep_watermark: bool, *,
+              may_drop_partial: bool = True) -> Admission:  # fmt: skip
         """The budget's plan; a partial hit whose pinned source would not leave room is dropped (in
-        a tiny pool the source itself may be the block the request needs)."""
+        a tiny pool the source itself may be the block the request needs) when `may_drop_partial`."""
         hits = self.prefix.hit_blocks(prefix)
         adm = self.budget.plan(lengths, shared, prefix, hits, keep_watermark=keep_watermark,
-                               unqueued=self.prefix.num_unqueued(prefix))  # fmt: skip
-        if adm.status is not AdmissionStatus.NOW and prefix.partial is not None:
+                               unqueued=self.prefix.num_unqueued(prefix, hits))  # fmt: skip
+        if may_drop_partial and adm.status is not AdmissionStatus.NOW and prefix.partial is not None:
             self.prefix.drop_partial(prefix)
             adm = self.budget.plan(lengths, shared, prefix, hits, keep_watermark=keep_watermark,
-                                   unqueued=self.prefix.num_unqueued(prefix))  # fmt: skip
+                                   unqueued=self.prefix.num_unqueued(prefix, hits))  # fmt: skip
         return adm
 
     def admit(
@@ -274,10 +275,8 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         table = self._tables.get(seq_id)
         if table is None:  # admission's rule for one sequence of the prefix and the new tokens
-            covered = prefix.num_tokens if prefix is not None else 0  # (the caller counted on all of it)
-            hits, unqueued = self.prefix.hit_blocks(prefix), self.prefix.num_unqueued(prefix)
-            plan = self.budget.plan([covered + num_new_tokens], [0], prefix, hits, keep_watermark=False,  # type: ignore[arg-type]
-                                    unqueued=unqueued)  # fmt: skip
+            prefix = prefix or CachedPrefix([], [], 0, 0)  # (the caller counted on all of it: nothing is dropped)
+            plan = self._plan([prefix.num_tokens + num_new_tokens], [0], prefix, False, may_drop_partial=False)
             if plan.status is not AdmissionStatus.NOW:
                 return None
             table, copies = self._start(seq_id, prefix, policy)

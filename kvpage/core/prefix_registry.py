@@ -209,10 +209,10 @@ class PrefixRegistry:
             prefix.num_tokens -= prefix.partial.num_tokens
             prefix.partial = None
 
-    def num_unqueued(self, prefix: CachedPrefix | None) -> int:
-        """Free (cached) blocks that taking `prefix` takes off the free queue: its GPU hits and the
-        partial hit's source."""
-        held = self.hit_blocks(prefix)
+    def num_unqueued(self, prefix: CachedPrefix | None, hits: list[Block] | None = None) -> int:
+        """Free (cached) blocks that taking `prefix` takes off the free queue: its GPU hits
+        (`hits`, when the caller has them: `hit_blocks(prefix)`) and the partial hit's source."""
+        held = self.hit_blocks(prefix) if hits is None else hits
         source = self.partial_source(prefix)
         return sum(b.ref_count == 0 for b in held) + (source is not None and source.ref_count == 0)
 
