@@ -36,8 +36,8 @@ class _Generator:
         self.model = model
         self._forward = step_forward(model)  # fused decode steps where the runner fuses them too
         self.cfg = model.config
-        self.dtype = model.embed_tokens.weight.dtype
-        self.device = model.embed_tokens.weight.device
+        self.dtype = model.dtype
+        self.device = model.device
         self.eos = eos_token_ids
 
     def _allocate(self, num_slots: int, slot_len: int) -> list[LayerKV]:

@@ -121,7 +121,7 @@ def _recompute(engine, chain, compare: list[int]) -> list[tuple[int, int, str]]:
     bs, model = engine.kv_cache.block_size, engine.runner.model
     tokens = [t for b in chain for t in b.cache_key.token_ids]
     first = engine.kv_cache.layers[0]
-    scratch = KVCache(model.config, len(chain), bs, model.embed_tokens.weight.dtype, first.k.device,
+    scratch = KVCache(model.config, len(chain), bs, model.dtype, first.k.device,
                       kv_cache_dtype=engine.kv_cache.kv_cache_dtype, backend=model.attention_backend)  # fmt: skip
     step = ScheduledSequence("verify", tokens, 0, list(range(len(chain))), return_logits=False)
     inputs = build_inputs([step], bs, first.k.device)

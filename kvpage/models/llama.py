@@ -140,12 +140,24 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.attention_backend = backend = backend or get_backend("torch")
         self.ops = ops = ops or TorchLayerOps()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # (an uninitialised weight: the loader fills it, and Embedding's own init on the meta device
+        # imports torch._dynamo and triton, 143 MB resident)
+        table = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, ops) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_weight = None  # set by weight_quant.quantize_model
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the norms stay in it under weight-only quantization)."""
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
 
     def forward(
         self,

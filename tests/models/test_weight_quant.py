@@ -65,3 +65,47 @@ def test_kernel_equals_the_reference(bits, dtype, rows, limit):
         out = ker.linear(x, qw, b)
         assert out.shape == (rows, 75) and out.dtype == dtype
         torch.testing.assert_close(out, ref.linear(x, qw, b), **t)
+
+
+def test_a_tied_embedding_is_looked_up_in_the_quantized_head_and_the_table_goes():
+    from kvpage.models import ModelConfig, load_model
+    from kvpage.models.weight_quant import QuantizedEmbedding, quantize_model
+
+    cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=32, tie_word_embeddings=True)  # fmt: skip
+    model = load_model(cfg, dtype="bfloat16", backend="torch").model
+    table = model.embed_tokens.weight.clone()
+    quantize_model(model, "int4")
+    assert isinstance(model.embed_tokens, QuantizedEmbedding)
+    assert not any(p.shape == table.shape for p in model.parameters())  # the unquantized table is gone
+    ids = torch.tensor([[0, 5, 96], [5, 5, 1]])
+    x = model.embed_tokens(ids)
+    assert x.shape == (2, 3, 64) and x.dtype == torch.bfloat16
+    assert torch.equal(x, model.head_weight.dequantize()[ids].to(torch.bfloat16))  # the head's own rows
+    torch.testing.assert_close(x, table[ids], atol=0.02, rtol=0.02)  # within int8's step of the original
+    assert model.dtype == torch.bfloat16
+
+
+def test_bfloat16_gemm_rows_come_in_few_sizes_and_pad_little():
+    from kvpage.models.layer_ops import gemm_rows
+
+    sizes = {gemm_rows(r) for r in range(1, 4097)}
+    assert len(sizes) <= 48  # oneDNN keeps a primitive per size: a bounded number of them
+    for r in range(1, 4097):
+        p = gemm_rows(r)
+        assert p >= r and p % 16 == 0
+        assert r <= 128 or (p - r) * 8 <= r
+
+
+@pytest.mark.skipif(not load(), reason="no C++ compiler: the kernels cannot be built here")
+@pytest.mark.parametrize("rows", [5, 37, 129, 300])
+def test_a_padded_bfloat16_gemm_gives_each_row_its_own_result(rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(48, 64, generator=g).to(torch.bfloat16)
+    bias = torch.randn(48, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+    ker = KernelLayerOps(LinearPolicy(plain=dict.fromkeys(KERNEL_DTYPES, 0), quantized=dict.fromkeys(KERNEL_DTYPES, 0)))
+    out = ker.linear(x, w, bias)
+    assert out.shape == (rows, 48) and out.is_contiguous()
+    ref = x.float() @ w.float().T + bias.float()
+    torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=2e-2)
