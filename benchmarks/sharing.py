@@ -7,6 +7,10 @@
    customer questions at once, prefix caching on. The seed: 58% saved on average (40-70%).
 3. Time to first token of such a request with the system prompt cold (the prefix cache emptied by
    `LLM.reset_prefix_cache()`) and warm (another question computed it before), best of 3 each.
+4. Sharing x a quantized KV cache (the seed: "quantization plus paging cut KV memory a further
+   50-70%"): part 2's workload with `kv_cache_dtype` = the model's dtype, int8 and fp8, in bytes at the
+   step holding the most: against a cache pre-allocated to the longest sequence for each, paging
+   alone (the logical blocks), paging and sharing; and how many greedy answers stay the same.
 
 Memory is counted in blocks at every engine step: the blocks in use, against the logical blocks
 (the sum of every sequence's block table: what independent copies per sequence would store), at the
@@ -26,6 +30,7 @@ from _drive import drive
 from _report import append_results, parse, recording, save_plot, suite_args, write_json
 
 from kvpage import LLM, SamplingParams
+from kvpage.core.block import cdiv
 
 SYSTEM = (
     "You are the customer-service assistant of Northwind Home, an online shop for furniture, kitchenware and "
@@ -146,12 +151,36 @@ def ttft(llm: LLM, repeats: int) -> dict:
             "prompt_tokens": len(p)}  # fmt: skip
 
 
+def by_kv_dtype(dtype: str, questions: int, gen: int, bs: int, kv_dtypes: list[str]) -> list[dict]:
+    rows, first = [], None
+    for kv in ["auto", *kv_dtypes]:
+        llm = LLM("smollm2", dtype=dtype, block_size=bs, num_kv_blocks=512, kv_cache_dtype=kv)
+        prompts = [chat(llm, q) for q in QUESTIONS[:questions]]
+        params = [SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True) for _ in prompts]
+        samples, outs = traced_run(llm, prompts, params)
+        per_block = llm.cache_stats().bytes_per_block
+        tokens = [o.outputs[0].token_ids for o in outs]
+        first = first or tokens
+        longest = max(len(p) for p in prompts) + gen
+        logical, used = max((lg, u) for u, lg in samples)  # the step holding the most, as in part 2
+        rows.append({"model_dtype": dtype, "kv_cache_dtype": dtype if kv == "auto" else kv,
+                     "bytes_per_block": per_block,
+                     "preallocated_bytes": questions * cdiv(longest, bs) * per_block,
+                     "paged_bytes": logical * per_block, "shared_bytes": used * per_block,
+                     "same_answers": sum(a == b for a, b in zip(tokens, first, strict=True)),
+                     "questions": questions})  # fmt: skip
+        del llm
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gen", type=int, default=64, help="tokens generated per sequence (default 64)")
     ap.add_argument("--questions", type=int, default=16, help=f"concurrent questions, at most {len(QUESTIONS)}")
     ap.add_argument("--dtype", default="float32", help="float32 (default): greedy tokens equal with sharing or not")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-dtypes", nargs="*", default=["int8", "fp8"], help="part 4's quantized KV dtypes")
+    ap.add_argument("--kv-model-dtypes", nargs="+", default=["float32", "bfloat16"], help="part 4's model dtypes")
     suite_args(ap)
     args = parse(ap, argv, __file__)
     ns, gens, repeats = [2, 4, 8], [args.gen, 4 * args.gen], 3
@@ -159,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
         ns, gens, args.questions = [2, 8], [args.gen], 8
     if args.smoke:
         ns, gens, args.questions, repeats, args.gen = [2], [4], 3, 1, 4
+        args.kv_dtypes, args.kv_model_dtypes = args.kv_dtypes[:1], [args.dtype]
     if not 1 <= args.questions <= len(QUESTIONS):
         ap.error(f"--questions must be in 1..{len(QUESTIONS)}")
     bs = args.block_size
@@ -167,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     full = [full_sequence(llm, n, g, bs) for g in gens for n in ns]
     cs = customer_service(llm, off, args.questions, args.gen, bs)
     t = ttft(llm, repeats)
+    del llm, off  # (their pools)
+    kvq = [r for md in args.kv_model_dtypes for r in by_kv_dtype(md, args.questions, args.gen, bs, args.kv_dtypes)]
 
     lines = ["1. Full-sequence sharing: n samples of one chat prompt, seeded sampling, at the step using the most "
              "blocks:", "", "| n | prompt + generated tokens | blocks in use | independent copies | saved "
@@ -188,10 +220,23 @@ def main(argv: list[str] | None = None) -> None:
               f"3. Time to first token, a {t['prompt_tokens']}-token request: cold {t['cold_s']:.3f} s, warm "
               f"{t['warm_s']:.3f} s ({t['warm_hit_tokens']} tokens from the prefix cache): "
               f"{t['speedup']:.1f}x."]  # fmt: skip
+    lines += ["", "4. Sharing x quantized KV: part 2's workload, bytes at the step holding the most; \"further\" "
+              "is against the same sharing with the model's dtype in the cache, then against that dtype "
+              "pre-allocated to the longest sequence:", "",
+              "| model | KV dtype | bytes a block | pre-allocated | paged | paged + shared | further "
+              "| against pre-allocated | same greedy answers |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in kvq:
+        base = next(b for b in kvq if b["model_dtype"] == r["model_dtype"])  # (its model dtype's first row)
+        mib = {k: f"{r[k] / 2**20:.1f} MiB" for k in ("preallocated_bytes", "paged_bytes", "shared_bytes")}
+        further = 1 - r["shared_bytes"] / base["shared_bytes"]
+        vs_pre = 1 - r["shared_bytes"] / base["preallocated_bytes"]
+        lines.append(f"| {r['model_dtype']} | {r['kv_cache_dtype']} | {r['bytes_per_block']} "
+                     f"| {mib['preallocated_bytes']} | {mib['paged_bytes']} | {mib['shared_bytes']} | {further:.1%} "
+                     f"| {vs_pre:.1%} | {r['same_answers']} / {r['questions']} |")  # fmt: skip
     table = "\n".join(lines)
     print(table)
-    write_json("sharing", {"full_sequence": full, "customer_service": cs, "ttft": t, "dtype": args.dtype,
-                           "block_size": bs})  # fmt: skip
+    write_json("sharing", {"full_sequence": full, "customer_service": cs, "ttft": t, "by_kv_dtype": kvq,
+                           "dtype": args.dtype, "block_size": bs})  # fmt: skip
 
     def draw(plt):
         fig, ax = plt.subplots(figsize=(7, 4))

@@ -288,7 +288,7 @@ def _bench(args) -> int:
 
 
 def _estimate(args) -> int:
-    from kvpage.tools.kv_estimate import report, resolve_shape
+    from kvpage.tools.kv_estimate import fit_report, report, resolve_shape
 
     if args.batch < 1 or args.max_len < 1 or args.block_size < 1:
         raise ValueError("--batch, --max-len and --block-size must be positive")
@@ -299,7 +299,12 @@ def _estimate(args) -> int:
             raise ValueError(f"--lengths takes comma-separated integers, got {args.lengths!r}") from None
     else:
         lens = [args.actual_len or max(1, args.max_len // 2)] * args.batch
-    print(report(resolve_shape(args.model), args.block_size, args.batch, args.max_len, lens))
+    shape = resolve_shape(args.model)
+    print(report(shape, args.block_size, args.batch, args.max_len, lens))
+    if args.gpu_memory is not None:
+        print()
+        print(fit_report(shape, args.gpu_memory, args.gpu_memory_utilization, args.reserve, args.batch, args.max_len,
+                         args.block_size))  # fmt: skip
     return 0
 
 
@@ -469,6 +474,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--actual-len", type=int, default=None, help="actual length of every sequence (default max-len/2)")
     p.add_argument("--lengths", default=None, help="actual lengths, comma-separated (instead of --actual-len)")
     p.add_argument("--block-size", type=int, default=16, help="block size of the paged cache (default 16)")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GIB",
+                   help="a GPU's memory in GiB: also the weights per weight dtype and how many sequences of --max-len "
+                   "fit beside them (e.g. 80)")  # fmt: skip
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of it to use (default 0.9)")
+    p.add_argument("--reserve", type=float, default=1.0, metavar="GIB",
+                   help="GiB kept for activations and the runtime (default 1)")  # fmt: skip
     p.set_defaults(func=_estimate)
 
     p = sub.add_parser("blocks", help="block-size advice from observed sequence lengths",

@@ -105,4 +105,7 @@ def quantize_model(model, weight_dtype: str) -> int:
     total += model.head_weight.nbytes
     if model.lm_head is None:  # tied: look tokens up in the quantized rows, and drop the table
         model.embed_tokens = QuantizedEmbedding(model.head_weight, head.dtype)
+    else:  # untied: the unquantized projection goes as the linears' weights do
+        del model.lm_head.weight
+        model.lm_head.weight = model.head_weight
     return total

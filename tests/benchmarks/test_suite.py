@@ -18,7 +18,7 @@ BENCH = benchmarks_dir()
 KEYS = {
     "cache_vs_nocache": ["rows", "short"],
     "paged_vs_static": ["part1", "part2", "trace"],
-    "sharing": ["full_sequence", "customer_service", "ttft"],
+    "sharing": ["full_sequence", "customer_service", "ttft", "by_kv_dtype"],
     "beam_memory": ["rows"],
     "block_size": ["rows", "seed_rule", "advised", "measured_best"],
     "kv_policies": ["rows", "args"],

@@ -109,3 +109,24 @@ def test_a_padded_bfloat16_gemm_gives_each_row_its_own_result(rows):
     assert out.shape == (rows, 48) and out.is_contiguous()
     ref = x.float() @ w.float().T + bias.float()
     torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=2e-2)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_estimate_counts_the_weights_kvpage_holds_byte_for_byte(tied):
+    from kvpage.models import ModelConfig, load_model
+    from kvpage.models.weight_quant import quantize_model
+    from kvpage.tools.kv_estimate import KVShape, ModelDims
+
+    cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, tie_word_embeddings=tied)  # fmt: skip
+    shape = KVShape("dummy", 2, 2, 16, ModelDims(64, 96, 97, 4, tied))
+    model = load_model(cfg, dtype="bfloat16", backend="torch").model
+    assert shape.weight_bytes("bfloat16") == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert shape.params() == sum(p.numel() for p in model.parameters())
+    for wd in ("int8", "int4"):
+        m = load_model(cfg, dtype="bfloat16", backend="torch").model
+        quantize_model(m, wd)
+        held = sum(p.numel() * p.element_size() for p in m.parameters()) + m.head_weight.nbytes  # (lm_head: the same)
+        linears = [(x.self_attn.qkv_proj, x.self_attn.o_proj, x.mlp.gate_up_proj, x.mlp.down_proj) for x in m.layers]
+        held += sum(lin.weight.nbytes for layer in linears for lin in layer)
+        assert shape.weight_bytes(wd) == held, wd
