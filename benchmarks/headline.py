@@ -70,10 +70,7 @@ def rows(results: Path) -> list[tuple[str, str, str, str]]:
                     "sharing"))  # fmt: skip
         quantized = [r for r in d.get("by_kv_dtype", []) if r["kv_cache_dtype"] == "int8"]
         if quantized:
-            got = []
-            for r in quantized:
-                base = next(b for b in d["by_kv_dtype"] if b["model_dtype"] == r["model_dtype"])
-                got.append(f"{_pct(1 - r['shared_bytes'] / base['shared_bytes'])} ({r['model_dtype']} model)")
+            got = [f"{_pct(r['further'])} ({r['model_dtype']} model)" for r in quantized]
             out.append(("int8 KV on top of paging and prefix sharing, customer service", "a further 50-70%",
                         " / ".join(got), "sharing"))  # fmt: skip
     d = _load(results, "beam_memory")
