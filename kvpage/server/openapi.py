@@ -63,12 +63,16 @@ def install_openapi(app: FastAPI, vocab_size: int | None = None) -> None:
                         "application/json": {"schema": {"$ref": f"#/components/schemas/{RESPONSES[path].__name__}"}}
                     }
                     if path in ("/v1/completions", "/v1/chat/completions"):
-                        content["text/event-stream"] = {
+                        content["text/event-stream"] = {  # (before OpenAPI 3.2, `schema` is one event)
                             "schema": {
-                                "type": "string",
-                                "description": "with stream: true, server-sent events of chunks, then data: [DONE]",
+                                "type": "object",
+                                "description": "with stream: true, server-sent events: each `data` a JSON chunk "
+                                "of the response, the last `data: [DONE]`",
+                                "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                                               "id": {"type": "string"}, "retry": {"type": "integer"}},
+                                "required": ["data"],
                             }
-                        }
+                        }  # fmt: skip
                     ok["content"] = content
                 responses.pop("422", None)
                 codes = list(ERRORS) if path in POSTS else [401, 404, 503] if path != "/health" else [503]
