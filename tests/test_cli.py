@@ -193,13 +193,14 @@ def test_estimate_answers_whether_a_model_fits_a_gpu_by_hand():
     # linears 80 x (8192 x (8192 + 2 x 1024) + 8192 x 8192 + 3 x 8192 x 28672) = 68,451,041,280; embedding
     # and head 32000 x 8192 each, norms 161 x 8192: 68.98 B parameters
     assert "68.98 B parameters" in r.stdout
-    # int4: linears x 0.75 + head x 1.125 (int8) + embedding x 2 + norms x 2 = 52,160,118,784 B = 48.58 GiB;
-    # 80 GiB x 0.9 - 1 GiB = 71 GiB leaves 24,075,550,720 B = 22.42 GiB; a 4096-token sequence is
-    # 4096 x 327,680 B (float16) -> 17 of them, 4096 x 168,960 B (int8) -> 34
-    assert "| int4 | 48.58 GiB | 22.42 GiB | 17 | 17 | 34 | 34 |" in r.stdout
-    # bfloat16: 68.98 B x 2 bytes = 128.48 GiB; int8 (1.125 bytes a weight): 72.48 GiB, more than 71
+    # int4: linears x 0.625 + head x 1.0625 (int8) + embedding x 2 + norms x 2 = 43,587,354,624 B = 40.59 GiB;
+    # 80 GiB x 0.9 - 1 GiB = 71 GiB leaves 32,648,314,880 B = 30.41 GiB; a 4096-token sequence is
+    # 4096 x 327,680 B (float16) -> 24 of them, 4096 x 168,960 B (int8) -> 47
+    assert "| int4 | 40.59 GiB | 30.41 GiB | 24 | 24 | 47 | 47 |" in r.stdout
+    # bfloat16: 68.98 B x 2 bytes = 128.48 GiB; int8 (1.0625 bytes a weight): 73,534,685,184 B = 68.48 GiB,
+    # leaving 2,700,984,320 B: 2 float16 sequences, 3 int8 ones
     assert "| bfloat16 | 128.48 GiB | none | 0 | 0 | 0 | 0 | no |" in r.stdout
-    assert "| int8 | 72.48 GiB | none |" in r.stdout
+    assert "| int8 | 68.48 GiB | 2.52 GiB | 2 | 2 | 3 | 3 | no |" in r.stdout
     assert "8 concurrent requests of 4096 tokens: fit with int4 weights with" in r.stdout
     r = kvpage("estimate", "--model", "llama-2-70b", "--gpu-memory", "80", "--gpu-memory-utilization", "1.5")
     assert r.returncode != 0 and "--gpu-memory-utilization" in r.stderr

@@ -43,7 +43,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 # Up to how many rows of x kvpage's linear kernels beat torch's GEMM depends on the CPU, so the
 # dispatch is a table chosen from its flags. The kernels stream each weight row once for up to 4 rows
-# of x, 8 floats wide (AVX2); the quantized one reads 1 or 0.56 bytes per weight instead of 4 or 2.
+# of x, 8 floats wide (AVX2); the quantized one reads 1.06 or 0.63 bytes per weight instead of 4 or 2.
 # Measured (SmolLM2-135M's linears and lm_head, 2 cores):
 #   AVX2, no native bf16 (AMD EPYC): float32 1.8x torch at 1 row, 1.2x at 64, 0.7x at 256; bfloat16
 #     4-6x torch at every size (torch emulates bfloat16 there); quantized float32 wins up to 64 rows.

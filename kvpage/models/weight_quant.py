@@ -1,10 +1,10 @@
 """Weight-only quantization of the linear layers: `weight_dtype="int8"` or `"int4"`.
 
-Groups of 32 weights along each output row share a float32 scale, llama.cpp's schemes:
-    int8  w = d * q,        q in -127..127, d = max|w| / 127      1.125 bytes per weight
-    int4  w = d * q + min,  q in 0..15,     d = (max - min) / 15   0.75 bytes per weight
-(llama.cpp stores d and min in float16: 1.06 and 0.63 bytes; ours are float32, which holds those
-float16 values exactly.)
+Groups of 32 weights along each output row share a float16 scale, llama.cpp's schemes:
+    int8  w = d * q,        q in -127..127, d = max|w| / 127      1.0625 bytes per weight
+    int4  w = d * q + min,  q in 0..15,     d = (max - min) / 15   0.625 bytes per weight
+(d and min in float16 as llama.cpp's Q8_0 and Q4_1 store them; the levels are chosen against the
+rounded d and min.)
 Activations stay in the model's dtype; the kernel (kvpage/ops, `linear_quant`) widens the weights
 to float32 in cache and multiplies, so at small batches the step reads a quarter (int8) or a sixth
 (int4) of float32's bytes. A GGUF whose tensors are Q4_1 (SmolLM2's) quantized to int4 here gets
@@ -29,8 +29,8 @@ WEIGHT_DTYPES = ("int8", "int4")
 class QuantizedWeight:
     bits: int
     q: torch.Tensor  # int8 [out, in] or uint8 [out, in / 2] (two 4-bit values per byte)
-    scales: torch.Tensor  # float32 [out, in / 32]
-    mins: torch.Tensor | None  # float32 [out, in / 32] for int4
+    scales: torch.Tensor  # float16 [out, in / 32]
+    mins: torch.Tensor | None  # float16 [out, in / 32] for int4
     shape: tuple[int, int]
 
     @property
@@ -39,12 +39,12 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         out, k = self.shape
-        d = self.scales[:, :, None]
+        d = self.scales[:, :, None].float()
         if self.bits == 8:
             return (self.q.view(out, k // GROUP, GROUP).float() * d).view(out, k)
         packed = self.q.view(out, k // GROUP, GROUP // 2)
         levels = torch.cat((packed & 0x0F, packed >> 4), dim=-1).float()  # low nibbles first
-        return (levels * d + self.mins[:, :, None]).view(out, k)
+        return (levels * d + self.mins[:, :, None].float()).view(out, k)
 
     def rows(self, ids: torch.Tensor) -> QuantizedWeight:
         """The rows `ids` (a lookup in a quantized embedding table)."""
@@ -69,17 +69,27 @@ def quantize(w: torch.Tensor, bits: int) -> QuantizedWeight:
         raise ValueError(f"weight-only quantization needs input sizes divisible by {GROUP}, got {k}")
     g = w.detach().float().reshape(out, k // GROUP, GROUP)
     if bits == 8:
-        d = g.abs().amax(-1) / 127
+        d16 = _half(g.abs().amax(-1) / 127)
+        d = d16.float()
         q = torch.where(d[..., None] > 0, g / d[..., None].clamp_min(1e-30), 0).round().clamp(-127, 127)
-        return QuantizedWeight(8, q.to(torch.int8).reshape(out, k).contiguous(), d.contiguous(), None, (out, k))
+        return QuantizedWeight(8, q.to(torch.int8).reshape(out, k).contiguous(), d16.contiguous(), None, (out, k))
     if bits == 4:
-        lo, hi = g.amin(-1), g.amax(-1)
-        d = (hi - lo) / 15
+        lo16 = _half(g.amin(-1))
+        lo = lo16.float()
+        d16 = _half((g.amax(-1) - lo) / 15)
+        d = d16.float()
         q = torch.where(d[..., None] > 0, (g - lo[..., None]) / d[..., None].clamp_min(1e-30), 0).round().clamp(0, 15)
         q = q.to(torch.uint8)
         packed = q[..., : GROUP // 2] | (q[..., GROUP // 2 :] << 4)
-        return QuantizedWeight(4, packed.reshape(out, k // 2).contiguous(), d.contiguous(), lo.contiguous(), (out, k))
+        return QuantizedWeight(4, packed.reshape(out, k // 2).contiguous(), d16.contiguous(), lo16.contiguous(),
+                               (out, k))  # fmt: skip
     raise ValueError(f"bits must be 8 or 4, got {bits}")
+
+
+def _half(x: torch.Tensor) -> torch.Tensor:
+    """float16, its largest finite value where x lies beyond (a weight group that large is not a model's)."""
+    top = torch.finfo(torch.float16).max
+    return x.clamp(-top, top).half()
 
 
 def bits_of(weight_dtype: str) -> int:

@@ -28,9 +28,9 @@ from kvpage.core.kv_bytes import ELEMENT_BYTES, kv_bytes_per_token
 KV_DTYPES = ELEMENT_BYTES  # bytes per stored value; int8 / fp8 add their scales
 
 # bytes per weight of a linear layer, as kvpage/models/weight_quant.py stores it: int8 one byte and a
-# float32 scale per group of 32; int4 half a byte and a float32 scale and min per group
+# float16 scale per group of 32; int4 half a byte and a float16 scale and min per group
 GROUP = 32
-WEIGHT_BYTES = {"bfloat16": 2.0, "int8": 1 + 4 / GROUP, "int4": 0.5 + 8 / GROUP}
+WEIGHT_BYTES = {"bfloat16": 2.0, "int8": 1 + 2 / GROUP, "int4": 0.5 + 4 / GROUP}
 MODEL_DTYPE_BYTES = 2  # embeddings and norms (bfloat16 / float16)
 
 

@@ -19,7 +19,7 @@ def test_int8_and_int4_errors_are_within_half_a_step():
         assert qw.shape == (48, 96) and qw.scales.shape == (48, 3)
         step = qw.scales.repeat_interleave(32, dim=1)
         assert ((qw.dequantize() - w).abs() <= step / 2 + 1e-6).all()
-        assert qw.nbytes == w.numel() * (1.125 if bits == 8 else 0.75)  # float32 scales (and mins)
+        assert qw.nbytes == w.numel() * (1.0625 if bits == 8 else 0.625)  # float16 scales (and mins)
         if levels:
             assert qw.q.dtype == torch.uint8 and qw.q.shape == (48, 48)
 
@@ -27,8 +27,8 @@ def test_int8_and_int4_errors_are_within_half_a_step():
 def test_int4_gives_back_values_already_on_a_q4_1_grid():
     """A GGUF's Q4_1 tensor, de-quantized, is quantized to int4 without loss (same groups, same levels)."""
     g = torch.Generator().manual_seed(1)
-    d = torch.rand(8, 4, generator=g) * 0.1 + 0.01
-    lo = torch.randn(8, 4, generator=g)
+    d = (torch.rand(8, 4, generator=g) * 0.1 + 0.01).half().float()  # Q4_1 stores d and min in float16
+    lo = torch.randn(8, 4, generator=g).half().float()
     levels = torch.randint(0, 16, (8, 4, 32), generator=g)
     levels[..., 0], levels[..., 1] = 0, 15  # every group uses its lowest and highest level, as Q4_1's do
     w = (levels * d[..., None] + lo[..., None]).reshape(8, 128)
