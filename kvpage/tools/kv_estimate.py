@@ -197,18 +197,17 @@ def fit_report(shape: KVShape, gpu_gib: float, utilization: float, reserve_gib: 
         "| weights | weight bytes | KV room | " + " | ".join(f"{k} KV" for k in kv_dtypes) + f" | batch {batch} fits |",
         "|---|---|---|" + "---|" * len(kv_dtypes) + "---|",
     ]
-    fits = []
+    answers = []
     for wd in WEIGHT_BYTES:
         w = shape.weight_bytes(wd)
         room = budget - w
         counts = {k: max(0, int(room // (shape.bytes_per_token(k) * slots))) for k in kv_dtypes}
         ok = [k for k in kv_dtypes if counts[k] >= batch]
-        fits += [(wd, k) for k in ok]
+        if ok:
+            answers.append(f"{wd} weights with {' / '.join(ok)} KV")
         cells = [human(w), human(room) if room > 0 else "none", *(str(counts[k]) for k in kv_dtypes)]
         lines.append(f"| {wd} | " + " | ".join(cells) + f" | {', '.join(ok) + ' KV' if ok else 'no'} |")
     lines.append("")
-    by_weights = {wd: [k for w, k in fits if w == wd] for wd in WEIGHT_BYTES}
-    answers = [f"{wd} weights with {' / '.join(ks)} KV" for wd, ks in by_weights.items() if ks]
     lines.append(f"{batch} concurrent requests of {max_len} tokens: "
                  + (f"fit with {'; '.join(answers)}" if answers else "do not fit in any combination"))  # fmt: skip
     return "\n".join(lines)
