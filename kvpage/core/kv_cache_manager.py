@@ -13,6 +13,7 @@ What the scheduler calls (plain data in, plain data out):
     step  = prepare_step(seq_id, token_ids, upto, slots) -> StepBlocks: slots, sinks, registration, table
     finish_step([(seq_id, num_computed, mass), ...])  /  fail_step()     the step ran / failed
     swap_out / can_swap_in / swap_in (seq_ids),  fork(parent, child),  free(seq_id),  take_tier_transfers()
+    fills = fill_segments(seq_id, token_ids, segments, k)   a prompt of segments: their cached KV copied
 
 The manager owns blocks, not tokens: token ids belong to the request and are passed in where content
 matters (hashing a full block). A table grows one block at a time; nothing is reserved ahead.
@@ -34,6 +35,7 @@ from kvpage.core.memory_map import MemoryMap, block_states, table_map
 from kvpage.core.prefix_cache import PrefixCache
 from kvpage.core.prefix_registry import CachedPrefix, PrefixRegistry, TierTransfers
 from kvpage.core.remote_tier import RemoteTier
+from kvpage.core.segments import Fill, plan_fills
 from kvpage.core.swap import SwapSpace
 
 SeqId = Hashable  # opaque to the manager: the scheduler uses SeqKey(request_id, index)
@@ -78,6 +80,7 @@ class KVCacheManager:
         self.tier = self.prefix.tier_pool  # the CPU tier's own pool, or None
         self.watermark_blocks = self.budget.watermark_blocks
         self.events = self.prefix.events  # KV events (kv_events.py): what this cache holds, as it changes
+        self.num_segment_tokens_copied = 0  # tokens prompts of segments copied instead of computing
 
     # ------------------------------------------------------------------ views (tests, tools, stats)
     @property
@@ -120,6 +123,11 @@ class KVCacheManager:
     def find_cached_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> CachedPrefix:
         """What the local tiers hold of a prompt (no call to the shared tier: a cheap look)."""
         return self.prefix.find(token_ids, cache_salt, remote=False)
+
+    def num_resident_blocks(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Leading full blocks of `token_ids`, as a prompt of its own, held written in the GPU pool
+        (what a segment of a later prompt copies: segments.py)."""
+        return len(self.prefix.resident_chain(token_ids, cache_salt))
 
     def cache_blocks(self, seq_id: SeqId, token_ids: Sequence[int], num_tokens: int) -> None:
         """The KV of the sequence's first `num_tokens` tokens (`token_ids[:num_tokens]`) is written,
@@ -208,6 +216,19 @@ class KVCacheManager:
             self.fork(lead, seq_id, num_blocks=m)
             grow(self._tables[seq_id], self.pool, len(tokens) - m * self.block_size)
         return copies
+
+    def fill_segments(self, seq_id: SeqId, token_ids: Sequence[int], segments: Sequence[tuple[int, int]],
+                      recompute_blocks: int, from_pos: int = 0) -> list[Fill]:  # fmt: skip
+        """A just admitted sequence whose prompt is made of `segments` ((start, length) each, in
+        `token_ids`): what of each segment's own cached KV (segments.py) it copies instead of
+        computing. The sources stay referenced until the step ends; the caller puts the fills' runs
+        in the step, before its forward."""
+        table = self._table(seq_id)
+        hits = [self.prefix.resident_chain(token_ids[s : s + n], table.cache_salt) for s, n in segments]
+        fills = plan_fills(segments, hits, table.block_ids, self.block_size, recompute_blocks, from_pos)
+        self.prefix.pin(b for f in fills for b in f.source_blocks)
+        self.num_segment_tokens_copied += sum(f.end - f.start for f in fills)
+        return fills
 
     def num_blocks_needed(self, seq_id: SeqId, num_new_tokens: int) -> int:
         """Blocks `allocate_slots(seq_id, num_new_tokens)` would take, copy-on-write included."""

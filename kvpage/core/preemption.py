@@ -42,11 +42,12 @@ class Preemption:
         the partly filled last one included, serve its recompute if nothing reuses them first."""
         if self.kv.has_sequence(seq.key):
             if seq.depends_on is None:
-                self.kv.free(seq.key, seq.token_ids, seq.num_computed)
+                self.kv.free(seq.key, seq.token_ids, seq.num_cacheable)
             else:  # (its num_computed counts blocks its lead may not have recomputed yet)
                 self.kv.free(seq.key)
         seq.num_computed = 0
         seq.depends_on = None
+        seq.forget_fills()
 
     def preempt(self, req: Request, out: SchedulerOutput) -> bool:
         """Preempt the whole request: True if it was swapped out, False if its blocks were freed."""

@@ -145,6 +145,28 @@ class PrefixRegistry:
         prefix.num_tokens = len(prefix.block_ids) * bs + (prefix.partial.num_tokens if prefix.partial else 0)
         return prefix
 
+    def resident_chain(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
+        """The GPU blocks that hold the leading full blocks of `token_ids` as a prompt of its own
+        (the last block too: nothing is computed from them), written by a step that ran: the cached
+        KV of a segment (segments.py). Stops at the first block not resident."""
+        if self.cache is None:
+            return []
+        bs, out = self.block_size, []
+        unwritten = {id(b) for b in self._uncommitted}
+        for i, digest in enumerate(block_digests(token_ids, bs, cache_salt)):
+            block = self.cache.lookup(digest, tuple(token_ids[i * bs : (i + 1) * bs]))
+            if block is None or id(block) in unwritten:
+                break
+            out.append(block.block_id)
+        return out
+
+    def pin(self, block_ids: Iterable[int]) -> None:
+        """Reference these registered blocks until the step ends: the sources of its copies."""
+        for b in block_ids:
+            block = self.pool.blocks[b]
+            self.pool.incref(block)
+            self._pinned.append(block)
+
     def _find_partial(self, prefix: CachedPrefix, token_ids: Sequence[int]) -> None:
         """The leading tokens of the block after the full hits, if a registered GPU block holds them
         (never the prompt's last token, whose logits must be computed). In a prompt's first block at

@@ -38,6 +38,11 @@ class Sequence:
     parked: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    # A prompt of segments (core/segments.py): position spans whose KV was copied from the segments'
+    # own cached blocks instead of computed (skipped as the computed count reaches them), and where
+    # the exactly computed KV ends (None: all of it is exact): nothing after it is registered.
+    filled: list[tuple[int, int]] = field(default_factory=list)
+    exact_upto: int | None = None
 
     @property
     def index(self) -> int:
@@ -54,6 +59,28 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_cacheable(self) -> int:
+        """Of its computed tokens, the leading ones whose KV is exact: what the prefix cache may hold."""
+        return self.num_computed if self.exact_upto is None else min(self.num_computed, self.exact_upto)
+
+    def compute_runs(self, n: int) -> list[tuple[int, int]]:
+        """(position, tokens) runs of its next `n` tokens to compute, the filled spans skipped."""
+        runs, pos, end = [], self.num_computed, len(self.token_ids)
+        spans = [f for f in self.filled if f[1] > pos]
+        while n > 0 and pos < end:
+            if spans and spans[0][0] <= pos:
+                pos = spans.pop(0)[1]
+                continue
+            take = min(n, end - pos, (spans[0][0] if spans else end) - pos)
+            runs.append((pos, take))
+            pos, n = pos + take, n - take
+        return runs
+
+    def forget_fills(self) -> None:
+        """Its KV is gone (a recompute): computed again from scratch, filled again at admission."""
+        self.filled, self.exact_upto = [], None
 
 
 @dataclass(slots=True, eq=False)
@@ -75,6 +102,10 @@ class Request:
     rejected: bool = False  # it failed because it can never run here (the request's fault, not a step's)
     num_cached_tokens: int | None = None  # prompt tokens its first admission found in the prefix cache
     eviction: EvictionPolicy = NO_EVICTION  # StreamingLLM / H2O: blocks released as it grows (core/eviction/)
+    # A prompt given as segments (core/segments.py): (start, length) of each in the prompt, and the
+    # blocks at the start of each reused segment computed again in the new context
+    segments: tuple[tuple[int, int], ...] = ()
+    recompute_blocks: int = 1
 
     @property
     def unbounded(self) -> bool:

@@ -221,25 +221,30 @@ class Scheduler(Intake):
         return self.kv.num_blocks_to_grow(growth)
 
     def _schedule_seq(self, req: Request, seq: Sequence, n: int, out: SchedulerOutput) -> int:
-        """Slots for `seq`'s tokens (the caller made room), then its next `n` tokens."""
-        start = seq.num_computed
-        step = self.kv.prepare_step(seq.key, seq.token_ids, start + n, self._slots(req, seq, n))
+        """Slots for `seq`'s tokens (the caller made room), then its next `n` tokens: one entry per
+        run between the spans its segments filled (segments.py; every layer writes the step's K/V
+        before any entry attends, so a later run sees an earlier one). Returns the tokens scheduled."""
+        runs = seq.compute_runs(n) if seq.filled else [(seq.num_computed, n)]
+        end = runs[-1][0] + runs[-1][1]
+        cacheable = end if seq.exact_upto is None else min(end, seq.exact_upto)
+        step = self.kv.prepare_step(seq.key, seq.token_ids, cacheable, self._slots(req, seq, end - seq.num_computed))
         out.copies.extend(step.copies)
         out.rotations.extend(step.rotations)
-        out.sequences.append(
-            ScheduledSequence(
-                seq.key,
-                seq.token_ids[start : start + n],
-                start,
-                step.block_table,
-                return_logits=start + n == len(seq.token_ids),
-                prompt_logprobs=req.want_prompt_logprobs and start < seq.num_prompt_tokens,
-                num_evicted=step.num_evicted,
-                want_mass=req.eviction.wants_mass,
+        for start, m in runs:
+            out.sequences.append(
+                ScheduledSequence(
+                    seq.key,
+                    seq.token_ids[start : start + m],
+                    start,
+                    step.block_table,
+                    return_logits=start + m == len(seq.token_ids),
+                    prompt_logprobs=req.want_prompt_logprobs and start < seq.num_prompt_tokens,
+                    num_evicted=step.num_evicted,
+                    want_mass=req.eviction.wants_mass,
+                )
             )
-        )
         self._in_flight.add(req.request_id)
-        return n
+        return sum(m for _, m in runs)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         if self.preemption.preempt(req, out):
@@ -263,13 +268,13 @@ class Scheduler(Intake):
         finished or failed."""
         self._in_flight.clear()
         result = StepResult(failed=dict(out.failed))
-        computed = []
+        computed = {}  # (a sequence's runs come in order: its last one ends furthest)
         for s in out.sequences:
             req = self.requests.get(s.seq_id.request_id)
             if req is not None and req.status is RequestStatus.RUNNING:
                 req.sequences[s.seq_id.index].num_computed = s.seq_len
-                computed.append((s.seq_id, s.seq_len, attention_mass.get(s.seq_id) if attention_mass else None))
-        self.kv.finish_step(computed)
+                computed[s.seq_id] = (s.seq_id, s.seq_len, attention_mass.get(s.seq_id) if attention_mass else None)
+        self.kv.finish_step(list(computed.values()))
         for request_id, update in updates.items():
             req = self.requests.get(request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -319,7 +324,7 @@ class Scheduler(Intake):
                 # (a failed step's sequences keep nothing: their KV may be half written; a sibling
                 # waiting on its lead counts blocks the lead may not have recomputed yet)
                 if req.error is None and seq.depends_on is None:
-                    self.kv.free(seq.key, seq.token_ids, seq.num_computed)
+                    self.kv.free(seq.key, seq.token_ids, seq.num_cacheable)
                 else:
                     self.kv.free(seq.key)
         queue = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING: self.waiting,

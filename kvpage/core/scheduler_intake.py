@@ -100,6 +100,16 @@ class Intake:
                     budget -= self._schedule_seq(req, seq, n, out)
         return budget
 
+    def _fill_segments(self, req: Request, out: SchedulerOutput) -> None:
+        """A prompt of segments, just admitted: its lead copies what the segments' own cached KV holds
+        (the runs go into this step, before its forward) and computes the rest."""
+        lead = req.sequences[0]
+        fills = self.kv.fill_segments(lead.key, lead.token_ids, req.segments, req.recompute_blocks,
+                                      lead.num_computed)  # fmt: skip
+        lead.filled = [(f.start, f.end) for f in fills]
+        lead.exact_upto = fills[0].start if fills else None
+        out.slot_copies.extend(r for f in fills for r in f.runs)
+
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
         bs = self.kv.block_size
         while self.waiting and budget > 0:
@@ -125,9 +135,12 @@ class Intake:
             lead.num_computed = adm.prefix.num_tokens if adm.prefix else 0
             if req.num_cached_tokens is None:  # (what usage.prompt_tokens_details.cached_tokens reports)
                 req.num_cached_tokens = lead.num_computed
+            if req.segments and req.use_prefix_cache:
+                self._fill_segments(req, out)
             for s, m in zip(seqs[1:], adm.shared_blocks[1:], strict=True):
                 s.num_computed = m * bs
                 s.depends_on = (lead.index, m * bs) if m * bs > lead.num_computed else None
+                s.exact_upto = lead.exact_upto  # (the blocks it shares with the lead are the lead's)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             for seq, n in self._plan(req, budget):

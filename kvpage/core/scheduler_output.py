@@ -9,6 +9,8 @@ SchedulerOutput
   swap_out:  (gpu, cpu) block copies, before the step; swap_in: (cpu, gpu) block copies
   rotations: (src, dst, positions): dst = src with its keys rotated by `positions` (StreamingLLM's
              sink blocks seen at cache positions), after every copy above
+  slot_copies: (src slot, dst slot, length, shift): a prompt's segments copied from their own cached
+             KV (segments.py), keys rotated by `shift` positions, after the rotations
   write_through: (gpu, digest, token ids) blocks whose KV the step writes, sent to the shared tier
              after the forward
   failed:    requests the scheduler failed while planning (they never fit): (request_id, reason)
@@ -61,6 +63,7 @@ class SchedulerOutput:
     fetched: list[tuple[int, bytes]] = field(default_factory=list)
     write_through: list[tuple[int, bytes, tuple[int, ...]]] = field(default_factory=list)
     rotations: list[tuple[int, int, int]] = field(default_factory=list)
+    slot_copies: list[tuple[int, int, int, int]] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
 
     @property
@@ -73,5 +76,5 @@ class SchedulerOutput:
         return bool(
             self.sequences or self.copies or self.swap_out or self.swap_in or self.offload or self.restore
             or self.fetched or self.write_through
-            or self.rotations
+            or self.rotations or self.slot_copies
         )  # fmt: skip

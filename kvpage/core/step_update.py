@@ -62,7 +62,7 @@ def apply_update(req: Request, update: RequestUpdate, kv: KVCacheManager) -> Non
         if parent.finished or parent.num_uncomputed:
             raise ValueError(f"sequence {parent.index} cannot be forked now")
         child = Sequence(SeqKey(req.request_id, u.index), list(parent.token_ids), parent.num_prompt_tokens,
-                         parent.num_computed)  # fmt: skip
+                         parent.num_computed, filled=list(parent.filled), exact_upto=parent.exact_upto)  # fmt: skip
         kv.fork(parent.key, child.key)
         req.sequences.append(child)
     for u in update.sequences:
@@ -73,4 +73,4 @@ def apply_update(req: Request, update: RequestUpdate, kv: KVCacheManager) -> Non
             seq = req.sequences[u.index]
             seq.finish_reason, seq.stop_reason = u.finish_reason, u.stop_reason
             if kv.has_sequence(seq.key):
-                kv.free(seq.key, seq.token_ids, seq.num_computed)  # (its tail block stays cached)
+                kv.free(seq.key, seq.token_ids, seq.num_cacheable)  # (its tail block stays cached)

@@ -4,6 +4,7 @@ llm = LLM(model="smollm2", dtype="bfloat16", kv_cache_memory="512MiB", enable_pr
 outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
 llm.chat([{"role": "user", "content": "Hi"}])
 llm.beam_search(["The capital of France is"], BeamSearchParams(beam_width=4, max_tokens=16))
+llm.generate([{"segments": [doc_a, doc_b, question]}])   each document's KV reused wherever it stands
 llm.cache_stats()
 """
 
@@ -16,10 +17,13 @@ from collections.abc import Sequence
 from kvpage.config import EngineConfig
 from kvpage.core import CacheStats
 from kvpage.engine.llm_engine import LLMEngine
+from kvpage.engine.segment_prompts import SegmentedPrompt
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams
 
-Prompt = str | list[int]  # (vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts are accepted too)
+# (vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts are accepted too, and {"segments": [...]}:
+# a prompt whose segments reuse their own cached KV wherever they stand, engine/segment_prompts.py)
+Prompt = str | list[int] | SegmentedPrompt
 
 
 class LLM:
@@ -141,7 +145,14 @@ def _as_prompt_list(prompts) -> list[Prompt]:
 
 
 def _one_prompt(p) -> Prompt:
-    """A string, a list of token ids, or vLLM's {"prompt": str} / {"prompt_token_ids": [int, ...]}."""
+    """A string, a list of token ids, vLLM's {"prompt": str} / {"prompt_token_ids": [int, ...]}, or
+    {"segments": [str | [int, ...], ...], "recompute_blocks": int}."""
+    if isinstance(p, dict) and "segments" in p:
+        unknown = sorted(set(p) - {"segments", "recompute_blocks"})
+        if unknown:
+            raise ValueError(f"unsupported prompt field(s) {unknown}: a prompt of segments takes 'segments' "
+                             "and 'recompute_blocks'")  # fmt: skip
+        return SegmentedPrompt.parse(p["segments"], p.get("recompute_blocks", 1))
     if isinstance(p, dict):
         unknown = sorted(set(p) - {"prompt", "prompt_token_ids"})
         if unknown:

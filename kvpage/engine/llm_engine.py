@@ -32,6 +32,7 @@ from kvpage.engine.builder import build_engine
 from kvpage.engine.engine_stats import EngineStats, StepTokens
 from kvpage.engine.kv_verifier import KVVerifyReport, verify_kv_cache
 from kvpage.engine.output_processor import OutputProcessor, RequestState
+from kvpage.engine.segment_prompts import SegmentCompiler, SegmentedPrompt, prompt_of
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams, parse_kv_eviction
 from kvpage.worker.model_runner import ModelRunnerOutput
@@ -60,6 +61,7 @@ class LLMEngine:
         )
         self.remote = parts.remote  # the shared KV tier (--remote-kv), or None
         self.outputs = OutputProcessor(self.tokenizer, max_model_len)
+        self.segments = SegmentCompiler()  # prompts of segments held until their segments' KV is cached
         self.sampler = Sampler()  # the generators of every sample, their rows, the draws
         self._states: dict[str, RequestState] = {}
         self._arrivals = 0
@@ -77,13 +79,14 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | SegmentedPrompt,
         params: SamplingParams | BeamSearchParams | None = None,
         *,
         cache_salt: str | None = None,
     ) -> None:
         """Queue a request. Bad parameters raise ValueError here, before any block is taken; a
-        request that cannot fit the cache is accepted and ends with an error output instead."""
+        request that cannot fit the cache is accepted and ends with an error output instead. A
+        `SegmentedPrompt` reuses each segment's own cached KV where it stands (segment_prompts.py)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams | BeamSearchParams):
             raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
@@ -91,7 +94,13 @@ class LLMEngine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if isinstance(prompt, str):
+        token_lists: list[list[int]] = []
+        spans: tuple[tuple[int, int], ...] = ()
+        if isinstance(prompt, SegmentedPrompt):
+            token_lists = prompt.encode(self.tokenizer)
+            ids, spans = prompt_of(token_lists)
+            text = "".join(prompt.segments) if all(isinstance(g, str) for g in prompt.segments) else None  # type: ignore[arg-type]
+        elif isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             text, ids = None, list(prompt)
@@ -123,9 +132,15 @@ class LLMEngine:
             raise ValueError(
                 "kv_eviction: h2o does not go with deterministic=True (its attention mass takes the torch path)"
             )
+        if spans and want_plp:
+            raise ValueError("prompt_logprobs: a prompt of segments copies KV instead of computing every position")
+        if spans and eviction.evicts:
+            raise ValueError(f"kv_eviction: {eviction.describe()} does not go with a prompt of segments")
+        recompute = prompt.recompute_blocks if isinstance(prompt, SegmentedPrompt) else 1
         req = Request(request_id, ids, self._arrivals, cache_salt=cache_salt, use_prefix_cache=not want_plp,
                       want_prompt_logprobs=want_plp, width=width, eviction=eviction,
-                      independent=not is_beam and width > 1 and not eviction.evicts)  # fmt: skip
+                      independent=not is_beam and width > 1 and not eviction.evicts,
+                      segments=spans, recompute_blocks=recompute)  # fmt: skip
         self._arrivals += 1
         eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
         extra_stops = set() if is_beam else set(params.stop_token_ids or ())
@@ -144,10 +159,33 @@ class LLMEngine:
             limit = st.max_tokens if req.unbounded else max(1, min(st.max_tokens, self.max_model_len - len(ids)))
             st.beam = BeamSearch(params.beam_width, params.length_penalty, limit, st.stop_token_ids)
         self.outputs.new_seq_state(st, 0)
-        self.scheduler.add_request(req)  # one that can never be scheduled is reported by the next step
+        waits = self._compile_segments(request_id, token_lists, cache_salt, recompute) if spans else set()
+        if waits:
+            self.segments.hold(req, waits)  # it enters the scheduler once its segments are cached
+        else:
+            self.scheduler.add_request(req)  # one that can never be scheduled is reported by the next step
         self._states[request_id] = st
         self.num_prompt_tokens += len(ids)
         self.snapshot = self._stats()
+
+    def _compile_segments(self, request_id: str, token_lists: list[list[int]], cache_salt: str | None,
+                          recompute_blocks: int) -> set[str]:  # fmt: skip
+        """The internal requests (started here, or already running) that prefill the request's
+        reused segments alone, so that their own KV is cached before it runs (segment_prompts.py)."""
+        kv = self.kv_manager
+        if not kv.enable_prefix_caching:
+            return set()
+        waits = set()
+        for i in self.segments.missing(token_lists, lambda t: kv.num_resident_blocks(t, cache_salt),
+                                       kv.block_size, recompute_blocks):  # fmt: skip
+            cid = self.segments.compiling(cache_salt, token_lists[i])
+            if cid is None:
+                cid = f"{request_id}\x00segment {i}"
+                self.add_request(cid, token_lists[i], SamplingParams(max_tokens=1, temperature=0.0),
+                                 cache_salt=cache_salt)  # fmt: skip
+                self.segments.start(cid, cache_salt, token_lists[i])
+            waits.add(cid)
+        return waits
 
     def check_width(self, name: str, width: int) -> None:
         """ParameterError (naming `name`) unless `width` sequences of one request can run in the same step."""
@@ -158,6 +196,9 @@ class LLMEngine:
         if self._states.pop(request_id, None) is not None:
             self.scheduler.abort_request(request_id)
             self.sampler.forget(request_id)
+            for cid in self.segments.release(request_id):  # its segments' prefills nobody else waits on
+                self.segments.ended(cid)
+                self.abort_request(cid)
             self.snapshot = self._stats()
 
     def has_request(self, request_id: str) -> bool:
@@ -294,11 +335,18 @@ class LLMEngine:
             st = self._states.get(request_id)
             if st is not None:
                 advanced[request_id] = st
-        outputs = [self.outputs.make_output(st) for st in advanced.values()]
-        for out in outputs:
+        outputs = []
+        for st in advanced.values():
+            out = self.outputs.make_output(st)
+            internal = self.segments.is_internal(out.request_id)
             if out.finished:
                 self._states.pop(out.request_id, None)
                 self.sampler.forget(out.request_id)
+                if internal:  # a segment's own prefill: the requests waiting on it go to the scheduler
+                    for req in self.segments.ended(out.request_id):
+                        self.scheduler.add_request(req)
+            if not internal:
+                outputs.append(out)
         t3 = time.perf_counter()
         self.num_steps += 1
         if self.config.verify_kv_every and self.num_steps % self.config.verify_kv_every == 0:

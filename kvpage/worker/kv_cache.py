@@ -100,6 +100,35 @@ class KVCache:
             values = layer.tensors()[1]
             values.index_copy_(0, dst, values.index_select(0, src))
 
+    def copy_slots(self, runs: list[tuple[int, int, int, int]], inv_freq: torch.Tensor) -> None:
+        """(src slot, dst slot, length, shift): `length` slots copied, keys rotated by `shift` positions
+        more, every layer (a prompt's segments, reused where they now stand: core/segments.py).
+        Rotated in float32 from the cached key, requantized if int8/fp8; values copied bit for bit."""
+        if not runs:
+            return
+        device = self.layers[0].k.device
+        src = torch.cat([torch.arange(s, s + n) for s, _, n, _ in runs]).to(device)
+        dst = torch.cat([torch.arange(d, d + n) for _, d, n, _ in runs]).to(device)
+        shift = torch.cat([torch.full((n,), p, dtype=torch.float64) for _, _, n, p in runs]).to(device)
+        bs = self.block_size
+        sb, so, db, do = src // bs, src % bs, dst // bs, dst % bs
+        angles = shift[:, None] * inv_freq.to(device=device, dtype=torch.float64)[None, :]  # [slots, d/2]
+        angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [slots, 1, d]
+        cos, sin = angles.cos().float(), angles.sin().float()
+        for layer in self.layers:
+            k = layer.k[sb, :, so]  # [slots, kv_heads, d]
+            k = dequantize(k, layer.k_scale[sb, :, so], torch.float32) if layer.quantized else k.float()
+            half = k.shape[-1] // 2
+            rotated = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
+            if layer.quantized:
+                q, scale = quantize(rotated, layer.kv_dtype)
+                layer.k[db, :, do], layer.k_scale[db, :, do] = q, scale  # type: ignore[index]
+                layer.v_scale[db, :, do] = layer.v_scale[sb, :, so]  # type: ignore[index]
+            else:
+                layer.k[db, :, do] = rotated.to(layer.k.dtype)
+            values = layer.tensors()[1]
+            values[db, :, do] = values[sb, :, so]
+
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, cpu block) pairs."""
         self._transfer(self.layers, self.cpu_layers, pairs)

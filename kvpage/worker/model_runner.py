@@ -61,6 +61,7 @@ class ModelRunner:
         kv.swap_in(step.swap_in)
         kv.copy_blocks(step.copies)
         kv.rotate_blocks(step.rotations, self.model.rotary.inv_freq)  # sources are resident by now
+        kv.copy_slots(step.slot_copies, self.model.rotary.inv_freq)  # a prompt's segments, reused
         t1 = time.perf_counter()
         if not step.sequences:
             self._write_through(step)

@@ -1,0 +1,103 @@
+"""Documents reused at any position (issue 27 §1): full prefill against segment reuse.
+
+Eight documents cut from `english_corpus()`, each with a planted fact ("The code for NAME is 48213."),
+are put in a random order per request, followed by a question about one of them. Arms: the full
+prefill of the concatenation (prefix caching cannot help: the first document differs), naive reuse
+(`recompute_blocks=0`) and block-LegoLink with 1 and 2 blocks recomputed per document. Per arm: the
+exact-match accuracy of the greedy answer, how often its first tokens equal the full prefill's, the
+time to the first token (median) and the prompt tokens computed against those copied.
+
+    .venv/bin/python benchmarks/segments.py [--requests 12] [--doc-tokens 256] [--json out.json]
+
+Not yet a member of `make bench`; CacheBlend's selective recompute arm is not built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+from kvpage import LLM, SamplingParams
+from kvpage.cpu_kind import machine
+from kvpage.tools.perplexity import english_corpus
+
+NAMES = ["Alder", "Birch", "Cedar", "Dahlia", "Elm", "Fern", "Gorse", "Hazel"]
+
+
+def documents(tok, n: int, doc_tokens: int, rng: random.Random) -> tuple[list[list[int]], list[str]]:
+    ids = tok.encode(english_corpus(), add_special_tokens=False)
+    docs, codes = [], []
+    for i in range(n):
+        code = str(rng.randrange(10000, 99999))
+        fact = tok.encode(f" The code for {NAMES[i]} is {code}. ", add_special_tokens=False)
+        body = ids[i * doc_tokens : (i + 1) * doc_tokens - len(fact)]
+        cut = len(body) // 2
+        docs.append(body[:cut] + fact + body[cut:])
+        codes.append(code)
+    return docs, codes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--docs", type=int, default=8)
+    ap.add_argument("--doc-tokens", type=int, default=256)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rng = random.Random(0)
+    llm = LLM("smollm2", dtype=args.dtype, max_model_len=4096, kv_cache_memory="1GiB")
+    eng, tok = llm.llm_engine, llm.get_tokenizer()
+    docs, codes = documents(tok, args.docs, args.doc_tokens, rng)
+    head = tok.encode("Read the notes below.\n", add_special_tokens=True)
+    cases = []
+    for _ in range(args.requests):
+        order = rng.sample(range(args.docs), args.docs)
+        target = rng.choice(order)
+        question = tok.encode(f"\nQuestion: what is the code for {NAMES[target]}? Answer: The code for "
+                              f"{NAMES[target]} is", add_special_tokens=False)  # fmt: skip
+        cases.append((order, target, question))
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    arms = {"full prefill": None, "naive reuse": 0, "LegoLink 1 block": 1, "LegoLink 2 blocks": 2}
+    # every document alone once, so that the reuse arms time reuse (their first sight prefills them)
+    llm.generate([{"segments": [head, *[docs[i] for i in cases[0][0]], cases[0][2]]}], params, use_tqdm=False)
+    results, answers = {}, {}
+    for arm, k in arms.items():
+        ttft, correct, prompt0, copied0 = [], 0, eng.num_prompt_tokens, eng.kv_manager.num_segment_tokens_copied
+        outs = []
+        for order, target, question in cases:
+            segs = [head, *[docs[i] for i in order], question]
+            prompt = [t for s in segs for t in s] if k is None else {"segments": segs, "recompute_blocks": k}
+            if k is None:
+                eng.reset_prefix_cache()  # (the full prefill never hits: a fair, cold baseline)
+            t0 = time.perf_counter()
+            llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+            ttft.append(time.perf_counter() - t0)
+            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            outs.append(out.token_ids)
+            correct += codes[target] in out.text
+        answers[arm] = outs
+        total = eng.num_prompt_tokens - prompt0
+        copied = eng.kv_manager.num_segment_tokens_copied - copied0
+        results[arm] = {"accuracy": correct / len(cases), "ttft_ms": 1000 * statistics.median(ttft),
+                        "prompt_tokens": total, "copied_tokens": copied,
+                        "computed_share": (total - copied) / total}  # fmt: skip
+    for arm in arms:
+        same = sum(a == b for a, b in zip(answers[arm], answers["full prefill"], strict=True))
+        results[arm]["same_answer_as_full"] = same / len(cases)
+    print(f"CPU kind {machine()[0]}, {args.dtype}, {args.docs} documents of {args.doc_tokens} tokens, "
+          f"{args.requests} requests")  # fmt: skip
+    print(f"{'arm':20} {'accuracy':>8} {'same':>6} {'TTFT ms':>8} {'computed':>9}")
+    for arm, r in results.items():
+        print(f"{arm:20} {r['accuracy']:8.2f} {r['same_answer_as_full']:6.2f} {r['ttft_ms']:8.0f} "
+              f"{r['computed_share']:9.1%}")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu_kind": machine()[0], "args": vars(args), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Prompts of segments on the real model (float32): each segment's own KV reused where it stands.
+
+What must agree with a full prefill does, token for token; what is an approximation (the KV of a
+document computed without its new context) is checked where it is exact: layer 0's keys and values
+depend on the token and its position only, so the copied, re-rotated slots equal a full prefill's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpage.core.scheduler_output import SeqKey
+from kvpage.engine.segment_prompts import SegmentedPrompt
+from kvpage.tools.perplexity import english_corpus
+from tests.engine.helpers import assert_clean, greedy, make_llm
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make_llm(num_kv_blocks=160)
+
+
+@pytest.fixture(scope="module")
+def docs(llm):
+    ids = llm.llm_engine.tokenizer.encode(english_corpus(), add_special_tokens=False)
+    # lengths that are not multiples of the block size: every segment starts inside a block
+    return [ids[0:37], ids[100:171], ids[300:390], ids[500:520]]
+
+
+def fresh(llm):
+    assert llm.llm_engine.reset_prefix_cache()
+    return llm
+
+
+def test_with_everything_recomputed_a_prompt_of_segments_is_the_full_prefill(llm, docs):
+    full = [t for d in docs for t in d]
+    want = fresh(llm).generate([full], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    fresh(llm)
+    got = llm.generate([{"segments": docs, "recompute_blocks": 99}], greedy(8), use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want
+    assert got.prompt_token_ids == full
+    assert_clean(llm)
+
+
+def test_reused_segments_copy_their_own_kv_rotated_to_where_they_stand(llm, docs):
+    eng = fresh(llm).llm_engine
+    copied0 = eng.kv_manager.num_segment_tokens_copied
+    eng.add_request("s", SegmentedPrompt.parse(docs, 1), greedy(4))
+    while "s" not in eng.scheduler.requests:  # the two middle documents are prefilled alone first
+        assert not [o for o in eng.step() if o.request_id == "s"]
+    eng.step()
+    seq = eng.scheduler.requests["s"].sequences[0]
+    # documents at 37 (71 tokens: 4 full blocks) and 108 (90: 5); the first block of each recomputed
+    assert seq.filled == [(37 + BS, 37 + 4 * BS), (108 + BS, 108 + 5 * BS)] and seq.exact_upto == 53
+    assert eng.kv_manager.num_segment_tokens_copied - copied0 == 3 * BS + 4 * BS
+    eng.add_request("f", [t for d in docs for t in d], greedy(4))
+    eng.step()
+    mine, full = eng.kv_manager.block_table(SeqKey("s", 0)), eng.kv_manager.block_table(SeqKey("f", 0))
+    for layer, tol in ((eng.kv_cache.layers[0], 1e-4), (eng.kv_cache.layers[5], None)):
+        for start, end in seq.filled:
+            for p in range(start, end):
+                a = layer.k[mine[p // BS], :, p % BS], layer.v[mine[p // BS], :, p % BS]
+                b = layer.k[full[p // BS], :, p % BS], layer.v[full[p // BS], :, p % BS]
+                if tol is not None:  # layer 0: the rotated copy is the key at its new position
+                    assert (a[0] - b[0]).abs().max() < tol and (a[1] == b[1]).all()
+        if tol is None:  # deeper layers saw another context: the approximation is real
+            assert (a[0] - b[0]).abs().max() > 1e-2
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert_clean(llm)
+
+
+def test_approximate_kv_is_never_served_as_a_prefix_hit(llm, docs):
+    order = [docs[0], docs[2], docs[1], docs[3]]
+    full = [t for d in order for t in d]
+    want = fresh(llm).generate([full], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    fresh(llm)
+    llm.generate([{"segments": order}], greedy(8), use_tqdm=False)
+    again = llm.generate([full], greedy(8), use_tqdm=False)[0]
+    assert again.num_cached_tokens <= len(docs[0]) + BS  # at most what was computed before the first copy
+    assert again.outputs[0].token_ids == want
+    assert_clean(llm)
+
+
+def test_requests_sharing_a_document_wait_on_one_prefill_of_it_and_internal_requests_stay_hidden(llm, docs):
+    eng = fresh(llm).llm_engine
+    prompts = [{"segments": [docs[0], docs[1], q]} for q in (docs[3], docs[2][:20])]
+    states0 = eng.num_prompt_tokens
+    outs = llm.generate(prompts, greedy(4), use_tqdm=False)
+    assert len(outs) == 2 and all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    # the document alone (once), then the two prompts
+    assert eng.num_prompt_tokens - states0 == len(docs[1]) + sum(len(o.prompt_token_ids) for o in outs)
+    assert eng.kv_manager.num_resident_blocks(docs[1]) == len(docs[1]) // BS
+    assert_clean(llm)
+
+
+def test_segments_under_preemption_and_abort_leave_the_pool_free(docs):
+    llm = make_llm(num_kv_blocks=24, max_model_len=24 * BS, preemption_mode="recompute")
+    prompts = [{"segments": [docs[0], docs[i % 3], docs[3]]} for i in range(1, 5)]
+    outs = llm.generate(prompts, greedy(24), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    eng = llm.llm_engine
+    eng.add_request("a", SegmentedPrompt.parse([docs[0], docs[2][::-1], docs[3]]), greedy(4))
+    eng.step()
+    eng.abort_request("a")  # held, waiting on its document's prefill: both go
+    assert not eng.has_unfinished_requests()
+    assert_clean(llm)
+
+
+def test_bad_segments_are_refused_naming_the_field(llm, docs):
+    from kvpage import SamplingParams
+
+    with pytest.raises(ValueError, match="segments"):
+        llm.generate([{"segments": []}], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"segments\[1\]"):
+        llm.generate([{"segments": ["a", ""]}], use_tqdm=False)
+    with pytest.raises(ValueError, match="recompute_blocks"):
+        llm.generate([{"segments": ["a", "b"], "recompute_blocks": -1}], use_tqdm=False)
+    with pytest.raises(ValueError, match="unsupported prompt field"):
+        llm.generate([{"segments": ["a"], "prompt": "b"}], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        llm.generate([{"segments": docs}], SamplingParams(prompt_logprobs=1), use_tqdm=False)
+    with pytest.raises(ValueError, match="kv_eviction: .* does not go with a prompt of segments"):
+        streaming = SamplingParams(kv_eviction="streaming:sink_tokens=16,window_tokens=64")
+        llm.generate([{"segments": docs}], streaming, use_tqdm=False)
+    assert_clean(llm)
