@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvpage.engine.llm_engine import LLMEngine
+from kvpage.engine.segment_prompts import SegmentedPrompt
 from kvpage.heap import return_freed_memory
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams
@@ -76,7 +77,7 @@ class AsyncEngine:
     async def generate(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | SegmentedPrompt,
         params: SamplingParams | BeamSearchParams,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:

@@ -134,12 +134,22 @@ PROMPT_RULES = (
 
 
 class CompletionRequest(_Common):
-    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]] = Field(**_doc(
-        "a text, texts, token ids or lists of token ids: " + PROMPT_RULES,
+    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]] | None = Field(None, **_doc(
+        "a text, texts, token ids or lists of token ids (or give segments instead): " + PROMPT_RULES,
         {"type": "string", "minLength": 1},
         {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
         {"type": "array", "items": TOKEN_ID, "minItems": 1},
         {"type": "array", "items": {"type": "array", "items": TOKEN_ID, "minItems": 1}, "minItems": 1}))  # fmt: skip
+    # kvpage's: one prompt given as segments (documents, then the question), each segment's own KV
+    # reused wherever it stands (engine/segment_prompts.py)
+    segments: list[Text | list[StrictInt]] | None = Field(None, **_doc(
+        "kvpage's: instead of prompt, one prompt as segments (texts or token-id lists, concatenated): each "
+        "segment after the first reuses its own cached KV where it stands, recomputing recompute_blocks "
+        "blocks at its start; not with prompt_logprobs or kv_eviction",
+        {"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "string", "minLength": 1}, {"type": "array", "items": TOKEN_ID, "minItems": 1}]}}))  # fmt: skip
+    recompute_blocks: StrictInt = Field(1, ge=0, le=1024, description="kvpage's: with segments, the blocks "
+                                        "at the start of each reused segment computed in the new context")  # fmt: skip
     max_tokens: StrictInt | None = Field(16, ge=1)
     logprobs: StrictInt | None = Field(None, ge=0, le=5, description="not with use_beam_search")
     echo: StrictBool = False
@@ -150,6 +160,12 @@ class CompletionRequest(_Common):
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")
         return v
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if (self.prompt is None) == (self.segments is None):
+            raise ValueError("prompt: give either prompt or segments")
+        return self
 
 
 class ChatMessage(BaseModel):

@@ -184,8 +184,9 @@ class OpenAIServing:
         return max(1, self.engine.config.max_num_seqs // (2 * width))
 
     # ------------------------------------------------------------------ running
-    def generators(self, rid: str, token_lists: list[list[int]], params, salt) -> list[AsyncIterator[RequestOutput]]:
-        return [self.aengine.generate(f"{rid}-{i}", ids, params, salt) for i, ids in enumerate(token_lists)]
+    def generators(self, rid: str, prompts: list, params, salt) -> list[AsyncIterator[RequestOutput]]:
+        """One engine request per prompt (token ids, or a SegmentedPrompt)."""
+        return [self.aengine.generate(f"{rid}-{i}", p, params, salt) for i, p in enumerate(prompts)]
 
     async def outputs(self, gens, width: int) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) as they come; engine errors become APIErrors."""

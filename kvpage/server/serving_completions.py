@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 
+from kvpage.engine.segment_prompts import SegmentedPrompt
 from kvpage.outputs import CompletionOutput, RequestOutput
 from kvpage.server.errors import APIError
 from kvpage.server.protocol import CompletionRequest
@@ -33,20 +34,38 @@ class CompletionServing(OpenAIServing):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         return token_lists, [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in prompts]
 
+    def _segmented(self, req: CompletionRequest) -> tuple[SegmentedPrompt, list[list[int]], list[str]]:
+        """A prompt given as segments: the engine's prompt, its ids and its text (off the event loop)."""
+        try:
+            prompt = SegmentedPrompt.parse(req.segments, req.recompute_blocks)
+        except ValueError as e:
+            raise APIError(400, str(e), param="segments") from None
+        ids = [t for seg in prompt.encode(self.tokenizer) for t in seg]
+        vocab = self.engine.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise APIError(400, f"segments: token ids must be in [0, {vocab})", param="segments")
+        return prompt, [ids], [self.tokenizer.decode(ids, skip_special_tokens=False)]
+
     async def create(self, req: CompletionRequest, raw_request: Request):
         self.check_model(req.model)
-        prompts = _prompt_list(req.prompt)
-        if len(prompts) > self.max_prompts_per_request:
-            raise APIError(400, f"prompt: at most {self.max_prompts_per_request} prompts per request, got "
-                                f"{len(prompts)}", param="prompt", code="too_many_prompts")  # fmt: skip
-        token_lists, texts = await off_loop(self._tokenized, prompts)
+        segmented = None
+        if req.segments is not None:
+            segmented, token_lists, texts = await off_loop(self._segmented, req)
+        else:
+            prompts = _prompt_list(req.prompt)
+            if len(prompts) > self.max_prompts_per_request:
+                raise APIError(400, f"prompt: at most {self.max_prompts_per_request} prompts per request, got "
+                                    f"{len(prompts)}", param="prompt", code="too_many_prompts")  # fmt: skip
+            token_lists, texts = await off_loop(self._tokenized, prompts)
         eviction = self.eviction(req)
         max_tokens = min(self.check_length(ids, req.max_tokens, eviction) for ids in token_lists)
         echo_lp = req.echo and req.logprobs is not None
         plp = max(req.prompt_logprobs or 0, req.logprobs or 0) if echo_lp or req.prompt_logprobs is not None else None
         params = self.params(req, max_tokens, req.logprobs, plp, eviction)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        gens = self.generators(rid, token_lists, params, self.cache_salt(req, raw_request))
+        gens = self.generators(
+            rid, [segmented] if segmented else token_lists, params, self.cache_salt(req, raw_request)
+        )
         run = _Run(self, rid, req, token_lists, texts)
         self.check_ready(req)
         if req.stream:

@@ -121,3 +121,29 @@ def test_api_key_is_required_when_set():
         assert httpx.get(f"{s.url}/health").status_code == 200  # health and metrics need no key
     finally:
         stop_server(s)
+
+
+def test_a_prompt_of_segments_through_the_openai_client(server, client):
+    """kvpage's `segments`: each document's own KV reused where it stands; with every block
+    recomputed the answer is the plain prompt's."""
+    docs = ["The code for Alder is 48213. " * 6, "Rivers carry water down to the sea. " * 6, "The code for Alder is"]
+    tok = server.engine.tokenizer  # (each segment is tokenized on its own: the plain prompt is their ids)
+    ids = [t for i, d in enumerate(docs) for t in tok.encode(d, add_special_tokens=i == 0)]
+    plain = client.completions.create(model="smollm2", prompt=ids, max_tokens=6, temperature=0)
+    kv = server.engine.kv_manager
+    copied = kv.num_segment_tokens_copied
+    same = client.completions.create(model="smollm2", prompt=None, max_tokens=6, temperature=0,
+                                     extra_body={"segments": docs, "recompute_blocks": 99})  # fmt: skip
+    assert same.choices[0].text == plain.choices[0].text
+    assert same.usage.prompt_tokens == plain.usage.prompt_tokens
+    swapped = {"segments": [docs[1], docs[0], docs[2]], "recompute_blocks": 0}
+    reused = client.completions.create(model="smollm2", prompt=None, max_tokens=6, temperature=0, extra_body=swapped)
+    assert reused.choices[0].text and kv.num_segment_tokens_copied > copied
+    for body, field in (({"segments": []}, "segments"), ({"segments": ["a", ""]}, "segments"),
+                        ({"segments": ["a"], "prompt": "b"}, "prompt"),
+                        ({"segments": ["a", "b"], "recompute_blocks": -1}, "recompute_blocks"),
+                        ({"segments": docs, "prompt_logprobs": 1}, "prompt_logprobs")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="smollm2", prompt=body.pop("prompt", None), max_tokens=2, extra_body=body)
+        assert field in str(e.value), (body, str(e.value))
+    assert_pool_free(server)
