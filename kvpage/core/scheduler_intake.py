@@ -135,7 +135,7 @@ class Intake:
             lead.num_computed = adm.prefix.num_tokens if adm.prefix else 0
             if req.num_cached_tokens is None:  # (what usage.prompt_tokens_details.cached_tokens reports)
                 req.num_cached_tokens = lead.num_computed
-            if req.segments and req.use_prefix_cache:
+            if req.segments:  # (with prompt logprobs too: no prefix hit, but the fills)
                 self._fill_segments(req, out)
             for s, m in zip(seqs[1:], adm.shared_blocks[1:], strict=True):
                 s.num_computed = m * bs

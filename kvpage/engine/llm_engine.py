@@ -132,8 +132,6 @@ class LLMEngine:
             raise ValueError(
                 "kv_eviction: h2o does not go with deterministic=True (its attention mass takes the torch path)"
             )
-        if spans and want_plp:
-            raise ValueError("prompt_logprobs: a prompt of segments copies KV instead of computing every position")
         if spans and eviction.evicts:
             raise ValueError(f"kv_eviction: {eviction.describe()} does not go with a prompt of segments")
         recompute = prompt.recompute_blocks if isinstance(prompt, SegmentedPrompt) else 1
@@ -292,7 +290,7 @@ class LLMEngine:
         text and stop checks. A request whose processing raises fails alone."""
         errors: dict[str, str] = {}
         for s in sched.sequences:
-            lp = run.prompt_logprobs.get(s.seq_id)
+            lp = run.prompt_logprobs.get((s.seq_id, s.num_computed))
             st = self._states.get(s.seq_id.request_id)
             if lp is not None and st is not None:
                 try:

@@ -122,6 +122,8 @@ class OutputProcessor:
             pos = num_computed + i + 1
             if pos >= len(prompt) or pos < len(st.prompt_logprobs):
                 continue  # past the prompt, or already collected before a recompute
+            while len(st.prompt_logprobs) < pos:  # positions a prompt of segments copied: none computed
+                st.prompt_logprobs.append(None)
             row = lp[i]
             tok = prompt[pos]
             top = torch.topk(row, k) if k else None

@@ -145,7 +145,7 @@ class CompletionRequest(_Common):
     segments: list[Text | list[StrictInt]] | None = Field(None, **_doc(
         "kvpage's: instead of prompt, one prompt as segments (texts or token-id lists, concatenated): each "
         "segment after the first reuses its own cached KV where it stands, recomputing recompute_blocks "
-        "blocks at its start; not with prompt_logprobs or kv_eviction",
+        "blocks at its start; not with kv_eviction",
         {"type": "array", "minItems": 1, "items": {"anyOf": [
             {"type": "string", "minLength": 1}, {"type": "array", "items": TOKEN_ID, "minItems": 1}]}}))  # fmt: skip
     recompute_blocks: StrictInt = Field(1, ge=0, le=1024, description="kvpage's: with segments, the blocks "

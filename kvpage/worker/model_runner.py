@@ -25,8 +25,9 @@ from kvpage.worker.kv_cache import KVCache
 class ModelRunnerOutput:
     seq_ids: list[SeqKey]  # the sequences whose last-token logits are returned, in row order
     logits: torch.Tensor  # [len(seq_ids), vocab] float32
-    # seq_id -> [len(chunk), vocab] float32 log-softmax; row i is the distribution of the token after token i
-    prompt_logprobs: dict[SeqKey, torch.Tensor] = field(default_factory=dict)
+    # (seq_id, position of the chunk's first token) -> [len(chunk), vocab] float32 log-softmax; row i is
+    # the distribution of the token after token i (a sequence may run several chunks in a step: segments)
+    prompt_logprobs: dict[tuple[SeqKey, int], torch.Tensor] = field(default_factory=dict)
     # H2O: seq_id -> attention mass each entry of its block table received, per head and layer
     attention_mass: dict[SeqKey, list[float]] = field(default_factory=dict)
 
@@ -83,7 +84,7 @@ class ModelRunner:
             end = start + len(s.token_ids)
             if s.prompt_logprobs:
                 chunk_logits = self.model.compute_logits(hidden[start:end]).float()
-                out.prompt_logprobs[s.seq_id] = torch.log_softmax(chunk_logits, dim=-1)
+                out.prompt_logprobs[(s.seq_id, s.num_computed)] = torch.log_softmax(chunk_logits, dim=-1)
             start = end
         self._write_through(step)
         t3 = time.perf_counter()

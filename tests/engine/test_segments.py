@@ -110,6 +110,23 @@ def test_segments_under_preemption_and_abort_leave_the_pool_free(docs):
     assert_clean(llm)
 
 
+def test_prompt_logprobs_cover_the_computed_positions_and_equal_the_full_prefills_there(llm, docs):
+    from kvpage import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    full = fresh(llm).generate([[t for d in docs for t in d]], params, use_tqdm=False)[0].prompt_logprobs
+    every = llm.generate([{"segments": docs, "recompute_blocks": 99}], params, use_tqdm=False)[0].prompt_logprobs
+    assert len(every) == len(full) and every[0] is None and all(p is not None for p in every[1:])
+    for a, b in zip(every[1:], full[1:], strict=True):
+        ((ta, la),) = [(t, lp.logprob) for t, lp in a.items()]
+        assert ta in b and abs(la - b[ta].logprob) < 1e-3
+    reused = llm.generate([{"segments": docs, "recompute_blocks": 1}], params, use_tqdm=False)[0].prompt_logprobs
+    # a copied position has no hidden state: the token after it has no log-probability
+    missing = [p for p, lp in enumerate(reused) if lp is None]
+    assert missing == [0] + [p + 1 for a, b in [(53, 101), (124, 188)] for p in range(a, b)]
+    assert_clean(llm)
+
+
 def test_bad_segments_are_refused_naming_the_field(llm, docs):
     from kvpage import SamplingParams
 
@@ -121,8 +138,6 @@ def test_bad_segments_are_refused_naming_the_field(llm, docs):
         llm.generate([{"segments": ["a", "b"], "recompute_blocks": -1}], use_tqdm=False)
     with pytest.raises(ValueError, match="unsupported prompt field"):
         llm.generate([{"segments": ["a"], "prompt": "b"}], use_tqdm=False)
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        llm.generate([{"segments": docs}], SamplingParams(prompt_logprobs=1), use_tqdm=False)
     with pytest.raises(ValueError, match="kv_eviction: .* does not go with a prompt of segments"):
         streaming = SamplingParams(kv_eviction="streaming:sink_tokens=16,window_tokens=64")
         llm.generate([{"segments": docs}], streaming, use_tqdm=False)

@@ -41,8 +41,8 @@ def test_prompt_logprobs_match_transformers(smollm2, prompts, hf_f32):
     out, _ = run(runner, mgr, seqs, "p", p, prompt_logprobs=True)
     with torch.no_grad():
         ref = torch.log_softmax(hf_f32(torch.tensor([p])).logits[0].float(), -1)
-    assert out.prompt_logprobs["p"].shape == (len(p), smollm2.config.vocab_size)
-    torch.testing.assert_close(out.prompt_logprobs["p"], ref, atol=2e-4, rtol=1e-4)
+    assert out.prompt_logprobs[("p", 0)].shape == (len(p), smollm2.config.vocab_size)
+    torch.testing.assert_close(out.prompt_logprobs[("p", 0)], ref, atol=2e-4, rtol=1e-4)
     mgr.free("p")
     assert_pool_clean(mgr)
 
