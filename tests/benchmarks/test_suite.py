@@ -23,6 +23,7 @@ KEYS = {
     "block_size": ["rows", "seed_rule", "advised", "measured_best"],
     "kv_policies": ["rows", "args"],
     "forward_pass": ["rows"],
+    "segments": ["rows"],
 }
 
 

@@ -142,3 +142,18 @@ def test_bad_segments_are_refused_naming_the_field(llm, docs):
         streaming = SamplingParams(kv_eviction="streaming:sink_tokens=16,window_tokens=64")
         llm.generate([{"segments": docs}], streaming, use_tqdm=False)
     assert_clean(llm)
+
+
+def test_parallel_samples_and_beams_over_a_prompt_of_segments(llm, docs):
+    from kvpage import BeamSearchParams, SamplingParams
+
+    fresh(llm)
+    prompt = {"segments": [docs[0], docs[2], docs[3]]}
+    (out,) = llm.generate([prompt], SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=5), use_tqdm=False)
+    assert len(out.outputs) == 3 and all(len(c.token_ids) == 6 for c in out.outputs)
+    (beams,) = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6))
+    assert len(beams.outputs) == 3
+    # the samples and beams forked from a lead with copied KV: none of it was registered
+    again = llm.generate([[t for d in (docs[0], docs[2], docs[3]) for t in d]], greedy(1), use_tqdm=False)[0]
+    assert again.num_cached_tokens <= len(docs[0]) + BS
+    assert_clean(llm)
