@@ -37,14 +37,22 @@ class Preemption:
         self.num_swapped_out += 1
         return True
 
+    def release(self, seq: Sequence, *, written: bool = True) -> None:
+        """Free the sequence's blocks (GPU or swapped), if it holds any. When its KV is `written` (no
+        failed step), its cached blocks and its partly filled last block stay hittable: its exact part
+        only (`num_cacheable`: a prompt of segments keeps nothing it copied), and nothing while it
+        waits on its lead (its computed count covers blocks the lead may not have recomputed yet)."""
+        if not self.kv.has_sequence(seq.key):
+            return
+        if written and seq.depends_on is None:
+            self.kv.free(seq.key, seq.token_ids, seq.num_cacheable)
+        else:
+            self.kv.free(seq.key)
+
     def drop(self, seq: Sequence) -> None:
-        """Recompute: free the sequence's blocks (GPU or swapped), keep its tokens. Its cached blocks,
-        the partly filled last one included, serve its recompute if nothing reuses them first."""
-        if self.kv.has_sequence(seq.key):
-            if seq.depends_on is None:
-                self.kv.free(seq.key, seq.token_ids, seq.num_cacheable)
-            else:  # (its num_computed counts blocks its lead may not have recomputed yet)
-                self.kv.free(seq.key)
+        """Recompute: free the sequence's blocks, keep its tokens. Its cached blocks, the partly
+        filled last one included, serve its recompute if nothing reuses them first."""
+        self.release(seq)
         seq.num_computed = 0
         seq.depends_on = None
         seq.forget_fills()

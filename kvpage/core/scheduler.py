@@ -319,14 +319,8 @@ class Scheduler(Intake):
         self._failed[req.request_id] = reason
 
     def _retire(self, req: Request) -> None:
-        for seq in req.sequences:
-            if self.kv.has_sequence(seq.key):
-                # (a failed step's sequences keep nothing: their KV may be half written; a sibling
-                # waiting on its lead counts blocks the lead may not have recomputed yet)
-                if req.error is None and seq.depends_on is None:
-                    self.kv.free(seq.key, seq.token_ids, seq.num_cacheable)
-                else:
-                    self.kv.free(seq.key)
+        for seq in req.sequences:  # (a failed step's sequences keep nothing: their KV may be half written)
+            self.preemption.release(seq, written=req.error is None)
         queue = {RequestStatus.RUNNING: self.running, RequestStatus.WAITING: self.waiting,
                  RequestStatus.SWAPPED: self.swapped}.get(req.status)  # fmt: skip
         if queue is not None and req in queue:
