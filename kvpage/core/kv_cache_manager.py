@@ -224,7 +224,9 @@ class KVCacheManager:
         computing. The sources stay referenced until the step ends; the caller puts the fills' runs
         in the step, before its forward."""
         table = self._table(seq_id)
-        hits = [self.prefix.resident_chain(token_ids[s : s + n], table.cache_salt) for s, n in segments]
+        last = len(segments) - 1  # (the first and the last segment are never copied)
+        hits = [self.prefix.resident_chain(token_ids[s : s + n], table.cache_salt) if 0 < i < last else []
+                for i, (s, n) in enumerate(segments)]  # fmt: skip
         fills = plan_fills(segments, hits, table.block_ids, self.block_size, recompute_blocks, from_pos)
         self.prefix.pin(b for f in fills for b in f.source_blocks)
         self.num_segment_tokens_copied += sum(f.end - f.start for f in fills)

@@ -16,7 +16,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from kvpage.core.admission import AdmissionStatus
-from kvpage.core.request import Request, RequestStatus
+from kvpage.core.request import Request, RequestStatus, Sequence
 
 if TYPE_CHECKING:
     from kvpage.core.kv_cache_manager import KVCacheManager
@@ -100,10 +100,10 @@ class Intake:
                     budget -= self._schedule_seq(req, seq, n, out)
         return budget
 
-    def _fill_segments(self, req: Request, out: SchedulerOutput) -> None:
-        """A prompt of segments, just admitted: its lead copies what the segments' own cached KV holds
-        (the runs go into this step, before its forward) and computes the rest."""
-        lead = req.sequences[0]
+    def _fill_segments(self, req: Request, lead: Sequence, out: SchedulerOutput) -> None:
+        """A prompt of segments, just admitted: its lead (the first live sequence: sample 0 may have
+        ended before a recompute) copies what the segments' own cached KV holds (the runs go into
+        this step, before its forward) and computes the rest."""
         fills = self.kv.fill_segments(lead.key, lead.token_ids, req.segments, req.recompute_blocks,
                                       lead.num_computed)  # fmt: skip
         lead.filled = [(f.start, f.end) for f in fills]
@@ -136,7 +136,7 @@ class Intake:
             if req.num_cached_tokens is None:  # (what usage.prompt_tokens_details.cached_tokens reports)
                 req.num_cached_tokens = lead.num_computed
             if req.segments:  # (with prompt logprobs too: no prefix hit, but the fills)
-                self._fill_segments(req, out)
+                self._fill_segments(req, lead, out)
             for s, m in zip(seqs[1:], adm.shared_blocks[1:], strict=True):
                 s.num_computed = m * bs
                 s.depends_on = (lead.index, m * bs) if m * bs > lead.num_computed else None

@@ -147,6 +147,8 @@ def _as_prompt_list(prompts) -> list[Prompt]:
 def _one_prompt(p) -> Prompt:
     """A string, a list of token ids, vLLM's {"prompt": str} / {"prompt_token_ids": [int, ...]}, or
     {"segments": [str | [int, ...], ...], "recompute_blocks": int}."""
+    if isinstance(p, SegmentedPrompt):
+        return p
     if isinstance(p, dict) and "segments" in p:
         unknown = sorted(set(p) - {"segments", "recompute_blocks"})
         if unknown:

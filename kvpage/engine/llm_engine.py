@@ -179,7 +179,9 @@ class LLMEngine:
             cid = self.segments.compiling(cache_salt, token_lists[i])
             if cid is None:
                 cid = f"{request_id}\x00segment {i}"
-                self.add_request(cid, token_lists[i], SamplingParams(max_tokens=1, temperature=0.0),
+                # (greedy, seeded: it draws nothing from the engine's generator, so the seeds of
+                # later unseeded requests stay what they would be without it)
+                self.add_request(cid, token_lists[i], SamplingParams(max_tokens=1, temperature=0.0, seed=0),
                                  cache_salt=cache_salt)  # fmt: skip
                 self.segments.start(cid, cache_salt, token_lists[i])
             waits.add(cid)
@@ -194,8 +196,9 @@ class LLMEngine:
         if self._states.pop(request_id, None) is not None:
             self.scheduler.abort_request(request_id)
             self.sampler.forget(request_id)
+            for req in self.segments.ended(request_id) if self.segments.is_internal(request_id) else []:
+                self.scheduler.add_request(req)  # (a segment's own prefill, aborted: who waited on it goes on)
             for cid in self.segments.release(request_id):  # its segments' prefills nobody else waits on
-                self.segments.ended(cid)
                 self.abort_request(cid)
             self.snapshot = self._stats()
 

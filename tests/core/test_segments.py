@@ -150,3 +150,38 @@ def test_a_recompute_forgets_the_fills_and_fills_again_at_admission():
     s.update_from_output(out, {})
     s.check_invariants()
     assert s.kv.stats().used_blocks == 0
+
+
+def test_after_sample_0_ended_a_recompute_fills_the_first_live_sample():
+    s = make(mode="recompute")
+    cache_doc(s)
+    req = segmented("s", [[1, 2, 3], DOC, [9, 9]], recompute_blocks=0)
+    req.width, req.independent = 2, True
+    s.add_request(req)
+    out = s.schedule()
+    s.update_from_output(out, {"s": RequestUpdate("s", [SeqUpdate(0, 7, None, None), SeqUpdate(1, 8, 0, None)])})
+    out = s.schedule()  # both samples decode; sample 0 ends
+    s.update_from_output(out, {"s": RequestUpdate("s", [SeqUpdate(0, 5, None, "stop"), SeqUpdate(1, 6, None, None)])})
+    s.check_invariants()
+    one = req.sequences[1]
+    assert one.exact_upto == 3 and req.sequences[0].finished
+    s.running.remove(req)
+    s._preempt(req, out)  # recompute: sample 1 is the lead now
+    out = s.schedule()
+    s.check_invariants()
+    assert one.filled == [(3, 11)] and one.exact_upto == 3 and len(out.slot_copies) == 4
+    assert [e[:2] for e in entries(out)] == [([9, 9, 8, 6], 11)]
+    s.update_from_output(out, {"s": RequestUpdate("s", [SeqUpdate(1, 4, None, "length")])})
+    s.check_invariants()
+    assert s.kv.stats().used_blocks == 0 and not s.has_unfinished()
+
+
+def test_the_core_refuses_segments_with_an_evicting_policy():
+    from kvpage.core.eviction.policies import StreamingLLM
+
+    s = make()
+    req = segmented("s", [[1, 2, 3], DOC, [9, 9]])
+    req.eviction = StreamingLLM(sink_tokens=4, window_tokens=8)
+    s.add_request(req)
+    out = s.schedule()
+    assert [rid for rid, _ in out.failed] == ["s"] and "segments" in out.failed[0][1]

@@ -157,3 +157,18 @@ def test_parallel_samples_and_beams_over_a_prompt_of_segments(llm, docs):
     again = llm.generate([[t for d in (docs[0], docs[2], docs[3]) for t in d]], greedy(1), use_tqdm=False)[0]
     assert again.num_cached_tokens <= len(docs[0]) + BS
     assert_clean(llm)
+
+
+def test_aborting_a_segments_own_prefill_lets_the_request_that_waits_on_it_go_on(llm, docs):
+    eng = fresh(llm).llm_engine
+    eng.add_request("w", SegmentedPrompt.parse([docs[0], docs[1], docs[3]]), greedy(3))
+    internal = [r["request_id"] for r in eng.request_summaries() if r["request_id"] != "w"]
+    assert len(internal) == 1 and "w" not in eng.scheduler.requests  # held until its document is cached
+    eng.abort_request(internal[0])
+    finished = []
+    while eng.has_unfinished_requests():
+        finished += [o.request_id for o in eng.step() if o.finished]
+    assert finished == ["w"]  # (computed in context: nothing to copy)
+    (out,) = llm.generate([SegmentedPrompt.parse([docs[0], docs[1], docs[3]])], greedy(2), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 2
+    assert_clean(llm)
