@@ -70,7 +70,7 @@ def test_logits_over_a_ragged_batch_match_transformers(pair):
     mgr.commit()
     mgr.check_invariants(owned)
     for i, done in ((0, 29), (1, 0), (2, 25)):
-        torch.testing.assert_close(out.prompt_logprobs[f"s{i}"], ref[i][done:], atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(out.prompt_logprobs[(f"s{i}", done)], ref[i][done:], atol=2e-4, rtol=1e-4)
         torch.testing.assert_close(torch.log_softmax(out.logits_of(f"s{i}"), -1), ref[i][-1], atol=2e-4, rtol=1e-4)
         mgr.free(f"s{i}")
     assert_pool_clean(mgr)
