@@ -8,6 +8,7 @@ depend on the token and its position only, so the copied, re-rotated slots equal
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvpage.core.scheduler_output import SeqKey
 from kvpage.engine.segment_prompts import SegmentedPrompt
@@ -171,4 +172,48 @@ def test_aborting_a_segments_own_prefill_lets_the_request_that_waits_on_it_go_on
     assert finished == ["w"]  # (computed in context: nothing to copy)
     (out,) = llm.generate([SegmentedPrompt.parse([docs[0], docs[1], docs[3]])], greedy(2), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 2
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_copied_slots_of_a_quantized_cache_are_requantized_after_the_rotation(docs, kv_dtype):
+    from kvpage.attention.kv_quant import dequantize
+
+    llm = make_llm(num_kv_blocks=96, kv_cache_dtype=kv_dtype)
+    eng = llm.llm_engine
+    eng.add_request("s", SegmentedPrompt.parse(docs, 1), greedy(4))
+    while "s" not in eng.scheduler.requests:
+        eng.step()
+    eng.step()
+    seq = eng.scheduler.requests["s"].sequences[0]
+    assert seq.filled
+    eng.add_request("f", [t for d in docs for t in d], greedy(4))
+    eng.step()
+    mine, full = eng.kv_manager.block_table(SeqKey("s", 0)), eng.kv_manager.block_table(SeqKey("f", 0))
+    layer = eng.kv_cache.layers[0]  # (layer 0: context-free, so the copy must be the key at its new position)
+    for start, end in seq.filled:
+        a = [(mine[p // BS], p % BS) for p in range(start, end)]
+        b = [(full[p // BS], p % BS) for p in range(start, end)]
+        ka = dequantize(
+            layer.k[[x for x, _ in a], :, [y for _, y in a]],
+            layer.k_scale[[x for x, _ in a], :, [y for _, y in a]],
+            torch.float32,
+        )
+        kb = dequantize(
+            layer.k[[x for x, _ in b], :, [y for _, y in b]],
+            layer.k_scale[[x for x, _ in b], :, [y for _, y in b]],
+            torch.float32,
+        )
+        step = layer.k_scale[[x for x, _ in b], :, [y for _, y in b]][..., None]  # one quantization step per token
+        if kv_dtype == "int8":  # within two rounding steps (the source's and the copy's)
+            assert ((ka - kb).abs() <= 2 * step).all()
+        else:  # e4m3 keeps 3 mantissa bits: about 6% of each value, twice
+            assert (ka - kb).abs().mean() <= 0.08 * kb.abs().mean(), float((ka - kb).abs().mean() / kb.abs().mean())
+        va, vb = (
+            layer.tensors()[1][[x for x, _ in a], :, [y for _, y in a]],
+            layer.tensors()[1][[x for x, _ in b], :, [y for _, y in b]],
+        )
+        assert (va == vb).all()  # values copied bit for bit, scales with them
+    while eng.has_unfinished_requests():
+        eng.step()
     assert_clean(llm)
