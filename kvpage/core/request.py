@@ -60,10 +60,13 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
+    def cacheable(self, n: int) -> int:
+        """Of its first `n` tokens, the leading ones whose KV is exact: what the prefix cache may hold."""
+        return n if self.exact_upto is None else min(n, self.exact_upto)
+
     @property
     def num_cacheable(self) -> int:
-        """Of its computed tokens, the leading ones whose KV is exact: what the prefix cache may hold."""
-        return self.num_computed if self.exact_upto is None else min(self.num_computed, self.exact_upto)
+        return self.cacheable(self.num_computed)
 
     def compute_runs(self, n: int) -> list[tuple[int, int]]:
         """(position, tokens) runs of its next `n` tokens to compute, the filled spans skipped."""

@@ -226,8 +226,9 @@ class Scheduler(Intake):
         before any entry attends, so a later run sees an earlier one). Returns the tokens scheduled."""
         runs = seq.compute_runs(n) if seq.filled else [(seq.num_computed, n)]
         end = runs[-1][0] + runs[-1][1]
-        cacheable = end if seq.exact_upto is None else min(end, seq.exact_upto)
-        step = self.kv.prepare_step(seq.key, seq.token_ids, cacheable, self._slots(req, seq, end - seq.num_computed))
+        step = self.kv.prepare_step(
+            seq.key, seq.token_ids, seq.cacheable(end), self._slots(req, seq, end - seq.num_computed)
+        )
         out.copies.extend(step.copies)
         out.rotations.extend(step.rotations)
         for start, m in runs:

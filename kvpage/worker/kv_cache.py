@@ -78,32 +78,14 @@ class KVCache:
         """(src, dst, positions): dst's keys = src's keys rotated by `positions` more (RoPE, the
         model's rotate-half convention), values copied; every layer. StreamingLLM's sink blocks, seen
         at cache positions. Always from the unrotated original, in float32 (requantized if int8/fp8)."""
-        if not rotations:
-            return
-        device = self.layers[0].k.device
-        src, dst = self._index([(s, d) for s, d, _ in rotations], device)
-        shift = torch.tensor([p for _, _, p in rotations], dtype=torch.float64, device=device)
-        angles = shift[:, None] * inv_freq.to(device=device, dtype=torch.float64)[None, :]  # [P, d/2]
-        angles = torch.cat((angles, angles), dim=-1)[:, None, None, :]  # [P, 1, 1, d]
-        cos, sin = angles.cos().float(), angles.sin().float()
-        for layer in self.layers:
-            k = layer.k[src]  # (indexing, not index_select: it takes float8 too)
-            k = dequantize(k, layer.k_scale[src], torch.float32) if layer.quantized else k.float()
-            half = k.shape[-1] // 2
-            rotated = k * cos + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * sin
-            if layer.quantized:
-                q, s = quantize(rotated, layer.kv_dtype)
-                layer.k[dst], layer.k_scale[dst] = q, s  # type: ignore[index]
-                layer.v_scale.index_copy_(0, dst, layer.v_scale.index_select(0, src))  # type: ignore[union-attr]
-            else:
-                layer.k.index_copy_(0, dst, rotated.to(layer.k.dtype))
-            values = layer.tensors()[1]
-            values.index_copy_(0, dst, values.index_select(0, src))
+        bs = self.block_size  # (a block's rotation is a run of all its slots)
+        self.copy_slots([(s * bs, d * bs, bs, p) for s, d, p in rotations], inv_freq)
 
     def copy_slots(self, runs: list[tuple[int, int, int, int]], inv_freq: torch.Tensor) -> None:
         """(src slot, dst slot, length, shift): `length` slots copied, keys rotated by `shift` positions
         more, every layer (a prompt's segments, reused where they now stand: core/segments.py).
-        Rotated in float32 from the cached key, requantized if int8/fp8; values copied bit for bit."""
+        Rotated in float32 from the cached key, requantized if int8/fp8; values (and their scales)
+        copied bit for bit. StreamingLLM's sink blocks are rotated as whole-block runs."""
         if not runs:
             return
         device = self.layers[0].k.device
