@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpage.attention.kv_quant import STORAGE
+from kvpage.attention.kv_quant import STORAGE, dequantize
 from kvpage.core.kv_bytes import QUANTIZED_KV_DTYPES
 
 
@@ -34,6 +34,16 @@ class LayerKV:
         """Every tensor indexed by block, as raw bytes where torch cannot copy the dtype itself."""
         out = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
         return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in out]
+
+    def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at these slots (the reference layout), float32 [len(slots), kv_heads, head_dim]."""
+        bs = self.k.shape[2]
+        b, o = slots // bs, slots % bs
+        k, v = self.k[b, :, o], self.v[b, :, o]
+        if self.quantized:
+            return (dequantize(k, self.k_scale[b, :, o], torch.float32),
+                    dequantize(v, self.v_scale[b, :, o], torch.float32))  # fmt: skip
+        return k.float(), v.float()
 
     @classmethod
     def allocate(cls, shape: tuple[int, ...], dtype: torch.dtype, kv_dtype: str, device, pin: bool = False) -> LayerKV:

@@ -13,7 +13,8 @@ What the scheduler calls (plain data in, plain data out):
     step  = prepare_step(seq_id, token_ids, upto, slots) -> StepBlocks: slots, sinks, registration, table
     finish_step([(seq_id, num_computed, mass), ...])  /  fail_step()     the step ran / failed
     swap_out / can_swap_in / swap_in (seq_ids),  fork(parent, child),  free(seq_id),  take_tier_transfers()
-    fills = fill_segments(seq_id, token_ids, segments, k)   a prompt of segments: their cached KV copied
+    hits = hold_segments(token_ids, segments)           a prompt of segments: their cached blocks held,
+    fills = fill_segments(seq_id, segments, hits, k)     then copied
 
 The manager owns blocks, not tokens: token ids belong to the request and are passed in where content
 matters (hashing a full block). A table grows one block at a time; nothing is reserved ahead.
@@ -217,18 +218,31 @@ class KVCacheManager:
             grow(self._tables[seq_id], self.pool, len(tokens) - m * self.block_size)
         return copies
 
-    def fill_segments(self, seq_id: SeqId, token_ids: Sequence[int], segments: Sequence[tuple[int, int]],
-                      recompute_blocks: int, from_pos: int = 0) -> list[Fill]:  # fmt: skip
-        """A just admitted sequence whose prompt is made of `segments` ((start, length) each, in
-        `token_ids`): what of each segment's own cached KV (segments.py) it copies instead of
-        computing. The sources stay referenced until the step ends; the caller puts the fills' runs
-        in the step, before its forward."""
-        table = self._table(seq_id)
-        last = len(segments) - 1  # (the first and the last segment are never copied)
-        hits = [self.prefix.resident_chain(token_ids[s : s + n], table.cache_salt) if 0 < i < last else []
+    def hold_segments(self, token_ids: Sequence[int], segments: Sequence[tuple[int, int]],
+                      cache_salt: str | None = None) -> list[list[int]]:  # fmt: skip
+        """A prompt of `segments` ((start, length) each, in `token_ids`) about to be admitted: the
+        cached blocks of each reused segment's own KV (segments.py; none for the first and the last),
+        referenced until the step ends. Taken before admission allocates, so the prompt's own blocks
+        cannot evict them; and all of each chain, not only the blocks copied, so that a segment's
+        leading blocks (recomputed, never copied, but where its chain is looked up) come back as
+        recently used as the rest."""
+        last = len(segments) - 1
+        hits = [self.prefix.resident_chain(token_ids[s : s + n], cache_salt) if 0 < i < last else []
                 for i, (s, n) in enumerate(segments)]  # fmt: skip
+        self.prefix.pin(b for h in hits for b in h)
+        return hits
+
+    def release_segments(self, hits: Sequence[Sequence[int]]) -> None:
+        """Let go of what `hold_segments` held (the prompt does not fit beside it: it computes all)."""
+        self.prefix.unpin(b for h in hits for b in h)
+
+    def fill_segments(self, seq_id: SeqId, segments: Sequence[tuple[int, int]], hits: Sequence[Sequence[int]],
+                      recompute_blocks: int, from_pos: int = 0) -> list[Fill]:  # fmt: skip
+        """A just admitted sequence whose prompt is made of `segments`, their cached blocks `hits`
+        (`hold_segments`): what of them it copies instead of computing. The caller puts the fills'
+        runs in the step, before its forward."""
+        table = self._table(seq_id)
         fills = plan_fills(segments, hits, table.block_ids, self.block_size, recompute_blocks, from_pos)
-        self.prefix.pin(b for f in fills for b in f.source_blocks)
         self.num_segment_tokens_copied += sum(f.end - f.start for f in fills)
         return fills
 

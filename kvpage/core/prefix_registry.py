@@ -265,6 +265,13 @@ class PrefixRegistry:
         table = BlockTable(block_ids, prefix.num_tokens, prefix.cache_salt, list(prefix.block_hashes), n)
         return table, copies
 
+    def unpin(self, block_ids: Iterable[int]) -> None:
+        """Release pins of `pin` before the step ends (one pin per id given)."""
+        for b in block_ids:
+            block = self.pool.blocks[b]
+            self._pinned.remove(block)
+            self.pool.decref(block)
+
     def pinned_blocks(self) -> list[int]:
         """Blocks referenced by the step being scheduled as the sources of its copies."""
         return [b.block_id for b in self._pinned]

@@ -68,17 +68,22 @@ class Sequence:
     def num_cacheable(self) -> int:
         return self.cacheable(self.num_computed)
 
-    def compute_runs(self, n: int) -> list[tuple[int, int]]:
-        """(position, tokens) runs of its next `n` tokens to compute, the filled spans skipped."""
+    def compute_runs(self, n: int, selective: bool = False) -> list[tuple[int, int, bool]]:
+        """(position, tokens, filled) runs of its next `n` tokens to compute. The filled spans are
+        skipped, or with `selective` (CacheBlend) computed too, as runs of their own marked filled."""
         runs, pos, end = [], self.num_computed, len(self.token_ids)
         spans = [f for f in self.filled if f[1] > pos]
         while n > 0 and pos < end:
-            if spans and spans[0][0] <= pos:
+            inside = bool(spans) and spans[0][0] <= pos
+            if inside and not selective:
                 pos = spans.pop(0)[1]
                 continue
-            take = min(n, end - pos, (spans[0][0] if spans else end) - pos)
-            runs.append((pos, take))
+            stop = spans[0][1] if inside else (spans[0][0] if spans else end)
+            take = min(n, end - pos, stop - pos)
+            runs.append((pos, take, inside))
             pos, n = pos + take, n - take
+            if inside and pos == stop:
+                spans.pop(0)
         return runs
 
     def forget_fills(self) -> None:
@@ -109,6 +114,9 @@ class Request:
     # blocks at the start of each reused segment computed again in the new context
     segments: tuple[tuple[int, int], ...] = ()
     recompute_blocks: int = 1
+    # CacheBlend's selective recompute (0: off): the copied spans are computed too, every layer up to
+    # the check layer for all their tokens, the later ones for this share of them (worker/selective.py)
+    recompute_ratio: float = 0.0
 
     @property
     def unbounded(self) -> bool:

@@ -100,12 +100,11 @@ class Intake:
                     budget -= self._schedule_seq(req, seq, n, out)
         return budget
 
-    def _fill_segments(self, req: Request, lead: Sequence, out: SchedulerOutput) -> None:
+    def _fill_segments(self, req: Request, lead: Sequence, hits: list[list[int]], out: SchedulerOutput) -> None:
         """A prompt of segments, just admitted: its lead (the first live sequence: sample 0 may have
-        ended before a recompute) copies what the segments' own cached KV holds (the runs go into
-        this step, before its forward) and computes the rest."""
-        fills = self.kv.fill_segments(lead.key, lead.token_ids, req.segments, req.recompute_blocks,
-                                      lead.num_computed)  # fmt: skip
+        ended before a recompute) copies what the segments' own cached KV holds (`hits`, held since
+        before admission; the runs go into this step, before its forward) and computes the rest."""
+        fills = self.kv.fill_segments(lead.key, req.segments, hits, req.recompute_blocks, lead.num_computed)
         lead.filled = [(f.start, f.end) for f in fills]
         lead.exact_upto = fills[0].start if fills else None
         out.slot_copies.extend(r for f in fills for r in f.runs)
@@ -118,12 +117,22 @@ class Intake:
             if not self._seats_for(req, len(seqs)):
                 return
             tokens = [s.token_ids for s in seqs]
+            # the segments' cached KV, held first: the prompt's own allocation must not evict it
+            hits = self.kv.hold_segments(tokens[0], req.segments, req.cache_salt) if req.segments else []
             cap = req.eviction.admission_cap(bs)  # an evicting policy: slots (and hits) within its budget
             if cap is not None:
                 tokens = [t[:cap] for t in tokens]
             adm = self.kv.check_admission(
                 tokens, req.cache_salt, use_prefix_cache=req.use_prefix_cache, keep_watermark=bool(self.running)
             )
+            if adm.status is not AdmissionStatus.NOW and any(hits):
+                # it does not fit beside the blocks it would copy from: they give way, and it
+                # computes its prompt in full (a pool too small to hold both must not stall it)
+                self.kv.release_segments(hits)
+                hits = [[] for _ in hits]
+                adm = self.kv.check_admission(
+                    tokens, req.cache_salt, use_prefix_cache=req.use_prefix_cache, keep_watermark=bool(self.running)
+                )
             if adm.status is AdmissionStatus.NEVER:
                 self._fail(req, f"request {req.request_id!r} can never fit: {adm.reason}", rejected=True)
                 continue
@@ -136,7 +145,7 @@ class Intake:
             if req.num_cached_tokens is None:  # (what usage.prompt_tokens_details.cached_tokens reports)
                 req.num_cached_tokens = lead.num_computed
             if req.segments:  # (with prompt logprobs too: no prefix hit, but the fills)
-                self._fill_segments(req, lead, out)
+                self._fill_segments(req, lead, hits, out)
             for s, m in zip(seqs[1:], adm.shared_blocks[1:], strict=True):
                 s.num_computed = m * bs
                 s.depends_on = (lead.index, m * bs) if m * bs > lead.num_computed else None

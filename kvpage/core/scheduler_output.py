@@ -41,6 +41,10 @@ class ScheduledSequence:
     # window are missing from it (whole blocks); positions stay those of the sequence.
     num_evicted: int = 0
     want_mass: bool = False  # H2O: return the attention mass each block of the table received
+    # CacheBlend: these tokens' slots hold reused KV (a prompt's segments). The layers up to the check
+    # layer recompute all of them; the later layers only this share, the tokens whose K/V deviated
+    # most from the reused (worker/selective.py). None: an ordinary run, computed in full.
+    select_ratio: float | None = None
 
     @property
     def kv_len(self) -> int:

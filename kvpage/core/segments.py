@@ -18,6 +18,16 @@ The first segment (position 0) is an ordinary prefix and the last one (the quest
 computed. The copies are token-granular runs, so a segment is reused at any offset inside a block.
 Everything after the first copied token attends to KV computed without its context: it is an
 approximation, and none of it is registered in the prefix cache (`Sequence.exact_upto`).
+
+With CacheBlend's selective recompute (`Request.recompute_ratio` > 0) the copied spans are computed
+too, as runs marked with that share: the worker recomputes all their tokens through its check layer
+and only the share whose K/V deviated most after it (worker/selective.py). The slots are the same;
+only what the step writes into them differs.
+
+The cached blocks a prompt copies from are held (referenced) before its admission allocates, each
+segment's whole chain: the prompt's own fresh blocks cannot evict them, and the leading blocks it
+recomputes (never copied, but where the chain is looked up) are refreshed with the rest. A prompt
+that fits only if they give way lets them go and computes in full.
 """
 
 from __future__ import annotations

@@ -146,15 +146,15 @@ def _as_prompt_list(prompts) -> list[Prompt]:
 
 def _one_prompt(p) -> Prompt:
     """A string, a list of token ids, vLLM's {"prompt": str} / {"prompt_token_ids": [int, ...]}, or
-    {"segments": [str | [int, ...], ...], "recompute_blocks": int}."""
+    {"segments": [str | [int, ...], ...], "recompute_blocks": int, "recompute_ratio": float}."""
     if isinstance(p, SegmentedPrompt):
         return p
     if isinstance(p, dict) and "segments" in p:
-        unknown = sorted(set(p) - {"segments", "recompute_blocks"})
+        unknown = sorted(set(p) - {"segments", "recompute_blocks", "recompute_ratio"})
         if unknown:
-            raise ValueError(f"unsupported prompt field(s) {unknown}: a prompt of segments takes 'segments' "
-                             "and 'recompute_blocks'")  # fmt: skip
-        return SegmentedPrompt.parse(p["segments"], p.get("recompute_blocks", 1))
+            raise ValueError(f"unsupported prompt field(s) {unknown}: a prompt of segments takes 'segments', "
+                             "'recompute_blocks' and 'recompute_ratio'")  # fmt: skip
+        return SegmentedPrompt.parse(p["segments"], p.get("recompute_blocks", 1), p.get("recompute_ratio", 0.0))
     if isinstance(p, dict):
         unknown = sorted(set(p) - {"prompt", "prompt_token_ids"})
         if unknown:

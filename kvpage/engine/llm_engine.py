@@ -67,6 +67,7 @@ class LLMEngine:
         self._arrivals = 0
         self._rng = random.Random(config.seed)
         self.num_prompt_tokens = 0  # counters read by /metrics
+        self.num_segment_prefill_tokens = 0  # of those, the internal prefills of segments (segment_prompts.py)
         self.num_generation_tokens = 0
         self.num_steps = 0
         self.step_tokens = StepTokens()  # tokens per step (/metrics' iteration_tokens_total)
@@ -135,10 +136,11 @@ class LLMEngine:
         if spans and eviction.evicts:
             raise ValueError(f"kv_eviction: {eviction.describe()} does not go with a prompt of segments")
         recompute = prompt.recompute_blocks if isinstance(prompt, SegmentedPrompt) else 1
+        ratio = prompt.recompute_ratio if isinstance(prompt, SegmentedPrompt) else 0.0
         req = Request(request_id, ids, self._arrivals, cache_salt=cache_salt, use_prefix_cache=not want_plp,
                       want_prompt_logprobs=want_plp, width=width, eviction=eviction,
                       independent=not is_beam and width > 1 and not eviction.evicts,
-                      segments=spans, recompute_blocks=recompute)  # fmt: skip
+                      segments=spans, recompute_blocks=recompute, recompute_ratio=ratio)  # fmt: skip
         self._arrivals += 1
         eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
         extra_stops = set() if is_beam else set(params.stop_token_ids or ())
@@ -184,6 +186,7 @@ class LLMEngine:
                 self.add_request(cid, token_lists[i], SamplingParams(max_tokens=1, temperature=0.0, seed=0),
                                  cache_salt=cache_salt)  # fmt: skip
                 self.segments.start(cid, cache_salt, token_lists[i])
+                self.num_segment_prefill_tokens += len(token_lists[i])
             waits.add(cid)
         return waits
 

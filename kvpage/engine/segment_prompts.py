@@ -6,7 +6,9 @@ The prompt is the segments' tokens, concatenated: the first segment is encoded a
 included, if the model adds one), the others as plain text. What the cache does with it is
 core/segments.py's: a segment after the first copies its own cached KV (a prompt of just that
 segment, at positions 0, 1, ...) with keys rotated to where it stands, and `recompute_blocks`
-blocks at its start are computed again in the new context (0: naive reuse).
+blocks at its start are computed again in the new context (0: naive reuse). With `recompute_ratio`
+r > 0 (CacheBlend, worker/selective.py) the copied tokens are recomputed too: all of them in the
+first layers, then the share r whose KV deviated most.
 
 A segment's own KV must be cached first. `SegmentCompiler` holds a request back until it is: each
 reused segment whose full blocks are not all resident is prefilled alone, as an internal request
@@ -27,9 +29,12 @@ from kvpage.core.segments import segment_spans
 class SegmentedPrompt:
     segments: tuple[str | tuple[int, ...], ...]  # texts, or token-id lists
     recompute_blocks: int = 1  # blocks at the start of each reused segment computed in the new context
+    # CacheBlend's selective recompute of the rest (0: off): the share of the copied tokens whose KV
+    # deviates most, recomputed in the new context (worker/selective.py)
+    recompute_ratio: float = 0.0
 
     @classmethod
-    def parse(cls, segments, recompute_blocks=1) -> SegmentedPrompt:
+    def parse(cls, segments, recompute_blocks=1, recompute_ratio=0.0) -> SegmentedPrompt:
         """From user input; ValueError naming the field when it is malformed."""
         if not isinstance(segments, list | tuple) or len(segments) < 1:
             raise ValueError("segments must be a non-empty list of strings or of token-id lists")
@@ -45,7 +50,13 @@ class SegmentedPrompt:
                 raise ValueError(f"segments[{i}] must be a non-empty string or a non-empty list of token ids")
         if isinstance(recompute_blocks, bool) or not isinstance(recompute_blocks, int) or recompute_blocks < 0:
             raise ValueError(f"recompute_blocks must be an integer >= 0, got {recompute_blocks!r}")
-        return cls(tuple(out), recompute_blocks)
+        if (
+            isinstance(recompute_ratio, bool)
+            or not isinstance(recompute_ratio, int | float)
+            or not (0.0 <= recompute_ratio <= 1.0)
+        ):
+            raise ValueError(f"recompute_ratio must be a number in [0, 1], got {recompute_ratio!r}")
+        return cls(tuple(out), recompute_blocks, float(recompute_ratio))
 
     def encode(self, tokenizer) -> list[list[int]]:
         """Each segment's token ids: the first as a prompt (special tokens added), the rest as text."""

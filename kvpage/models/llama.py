@@ -165,20 +165,28 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[LayerKV],  # per layer
         meta: AttentionMetadata,
+        selective=None,  # CacheBlend's selective recompute of reused KV (worker/selective.py)
     ) -> torch.Tensor:  # hidden states [T, hidden]
-        return self.run_layers(*self.embed(input_ids, positions), kv_caches, meta)
+        return self.run_layers(*self.embed(input_ids, positions), kv_caches, meta, selective)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """(embeddings [T, hidden], cos, sin): what every layer starts from."""
         x = self.embed_tokens(input_ids)
         return (x, *self.rotary(positions, x.dtype))
 
-    def run_layers(self, x, cos, sin, kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
-        """Every decoder layer, then the final norm: hidden states [T, hidden]."""
+    def run_layers(self, x, cos, sin, kv_caches: list[LayerKV], meta: AttentionMetadata, selective=None):
+        """Every decoder layer, then the final norm: hidden states [T, hidden]. With `selective`, the
+        layers after its check layer run only the rows it keeps, under the metadata it builds."""
         delta = None
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            check = selective is not None and i == selective.layer
+            before = selective.read(kv) if check else None
             x, delta = layer(x, delta, cos, sin, kv, meta)
-        return self.ops.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
+            if check:
+                rows, meta = selective.narrow(before, selective.read(kv))
+                x, delta, cos, sin = x[rows], delta[rows], cos[rows], sin[rows]
+        hidden = self.ops.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
+        return hidden if selective is None else selective.widen(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.head_weight  # a QuantizedWeight under weight-only quantization

@@ -150,6 +150,9 @@ class CompletionRequest(_Common):
             {"type": "string", "minLength": 1}, {"type": "array", "items": TOKEN_ID, "minItems": 1}]}}))  # fmt: skip
     recompute_blocks: StrictInt = Field(1, ge=0, le=1024, description="kvpage's: with segments, the blocks "
                                         "at the start of each reused segment computed in the new context")  # fmt: skip
+    recompute_ratio: Number = Field(0.0, ge=0.0, le=1.0, description="kvpage's: with segments, CacheBlend's "
+                                   "selective recompute: the share of the reused tokens whose KV deviates most, "
+                                   "recomputed in the new context (0: off)")  # fmt: skip
     max_tokens: StrictInt | None = Field(16, ge=1)
     logprobs: StrictInt | None = Field(None, ge=0, le=5, description="not with use_beam_search")
     echo: StrictBool = False

@@ -37,7 +37,7 @@ class CompletionServing(OpenAIServing):
     def _segmented(self, req: CompletionRequest) -> tuple[SegmentedPrompt, list[list[int]], list[str]]:
         """A prompt given as segments: the engine's prompt, its ids and its text (off the event loop)."""
         try:
-            prompt = SegmentedPrompt.parse(req.segments, req.recompute_blocks)
+            prompt = SegmentedPrompt.parse(req.segments, req.recompute_blocks, req.recompute_ratio)
         except ValueError as e:
             raise APIError(400, str(e), param="segments") from None
         ids = [t for seg in prompt.encode(self.tokenizer) for t in seg]

@@ -22,7 +22,7 @@ SUITE = {
     "block_size": "block sizes 8-256: waste, prefix hits, throughput; the seed's rule and kvpage blocks",
     "kv_policies": "int8 / fp8 KV and StreamingLLM / H2O: bytes, perplexity, requests in one budget",
     "forward_pass": "the machine's limit: the forward pass against the model's linear layers alone",
-    "segments": "documents reused at any position: full prefill, naive reuse and block-LegoLink",
+    "segments": "documents reused at any position: full prefill, naive reuse, block-LegoLink and CacheBlend",
 }
 
 

@@ -19,6 +19,7 @@ from kvpage.models.llama import LlamaForCausalLM
 from kvpage.worker.fused_decode import step_forward
 from kvpage.worker.input_builder import build_inputs
 from kvpage.worker.kv_cache import KVCache
+from kvpage.worker.selective import selective_recompute
 
 
 @dataclass(slots=True)
@@ -50,6 +51,8 @@ class ModelRunner:
         # the fast path for pure decode steps on the CPU kernels where it can apply (fused_decode.py)
         self.forward = step_forward(model)
         self.timings = {"copy": 0.0, "prepare": 0.0, "forward": 0.0}  # seconds, summed over steps
+        # CacheBlend (selective.py): reused tokens that took part, and those recomputed past its check layer
+        self.selective_tokens = {"candidates": 0, "recomputed": 0}
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
@@ -69,7 +72,13 @@ class ModelRunner:
             return ModelRunnerOutput([], torch.empty(0))
         inputs = build_inputs(step.sequences, kv.block_size, self.device)
         t2 = time.perf_counter()
-        hidden = self.forward(inputs.input_ids, inputs.positions, kv.layers, inputs.meta)
+        selective = selective_recompute(inputs.sequences, inputs.meta, self.model.config.num_layers)
+        if selective is None:
+            hidden = self.forward(inputs.input_ids, inputs.positions, kv.layers, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, kv.layers, inputs.meta, selective)
+            self.selective_tokens["candidates"] += selective.num_candidates
+            self.selective_tokens["recomputed"] += selective.num_kept
         logits = self.model.compute_logits(hidden[inputs.logits_index]).float()
         out = ModelRunnerOutput(inputs.logits_seq_ids, logits)
         mass = inputs.meta.block_mass

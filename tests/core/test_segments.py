@@ -50,10 +50,10 @@ def entries(out):
     return [(q.token_ids, q.num_computed, q.block_table, q.return_logits) for q in out.sequences]
 
 
-def segmented(rid, segments, recompute_blocks=0) -> Request:
+def segmented(rid, segments, recompute_blocks=0, recompute_ratio=0.0) -> Request:
     prompt = [t for seg in segments for t in seg]
     return Request(rid, prompt, 1, segments=segment_spans([len(g) for g in segments]),
-                   recompute_blocks=recompute_blocks)  # fmt: skip
+                   recompute_blocks=recompute_blocks, recompute_ratio=recompute_ratio)  # fmt: skip
 
 
 def test_plan_copies_a_segment_slot_by_slot_to_any_offset_with_its_position_as_the_shift():
@@ -126,6 +126,58 @@ def test_recomputed_blocks_chunking_and_the_exact_prefix_that_is_registered():
     # (positions 0..8: two full blocks and a one-token tail); nothing from position 9 on
     held = sorted(b.cache_key.token_ids for b in s.kv.pool.blocks if b.cache_key is not None)
     assert held == [(1, 2, 3, 4), (5, 100, 101, 102), (100, 101, 102, 103), (103,), (104, 105, 106, 107)]
+    assert s.kv.stats().used_blocks == 0
+
+
+def test_selective_recompute_runs_the_copied_span_too_marked_with_its_share_and_chunked():
+    s = make(budget=6)
+    cache_doc(s)
+    req = segmented("s", [[1, 2, 3], DOC, [9, 9]], recompute_ratio=0.25)
+    s.add_request(req)
+    outs = run(s, req)
+    # the copies are made as without it; then the copied span 3..10 is computed as runs of its own,
+    # marked with the share to keep past the check layer, 6 tokens a step
+    assert outs[0].slot_copies == [(0, 11, 1, 3), (1, 12, 3, 3), (4, 15, 1, 3), (5, 16, 3, 3)]
+    assert [[(q.token_ids, q.num_computed, q.select_ratio, q.return_logits) for q in o.sequences] for o in outs] == [
+        [([1, 2, 3], 0, None, False), ([100, 101, 102], 3, 0.25, False)],
+        [([103, 104, 105, 106, 107], 6, 0.25, False), ([9], 11, None, False)],
+        [([9], 12, None, True)],
+    ]
+    assert req.sequences[0].filled == [(3, 11)] and req.sequences[0].exact_upto == 3
+    # what was registered is what it would be without it: nothing from the first copied position on
+    held = sorted(b.cache_key.token_ids for b in s.kv.pool.blocks if b.cache_key is not None)
+    assert held == [(1, 2, 3), (100, 101, 102, 103), (104, 105, 106, 107)]
+    assert s.kv.stats().used_blocks == 0
+
+
+def test_the_sources_are_held_before_admission_allocates_leading_blocks_included():
+    s = make(num_blocks=7)
+    cache_doc(s)  # the document's blocks 0 and 1, free and cached
+    other = Request("x", list(range(50, 70)), 1)  # five blocks taken and freed: the document's are now oldest
+    s.add_request(other)
+    run(s, other)
+    assert [b.block_id for b in s.kv.pool.free_queue][:2] == [1, 0]
+    req = segmented("s", [[1, 2, 3], DOC, [9, 9]], recompute_blocks=1)
+    s.add_request(req)
+    out = s.schedule()
+    s.check_invariants()
+    # held first, the document's blocks were not the ones the prompt's four fresh blocks evicted; the
+    # first (recomputed, never copied) is held too, so that it is as recently used as the second
+    assert s.kv.block_table(req.sequences[0].key) == [6, 5, 4, 3]
+    assert out.slot_copies == [(4, 23, 1, 3), (5, 16, 3, 3)] and s.kv.prefix.pinned_blocks() == [0, 1]
+    s.update_from_output(out, {"s": RequestUpdate("s", [SeqUpdate(0, 7, None, "length")])})
+    s.check_invariants()
+    assert s.kv.num_resident_blocks(DOC) == 2 and s.kv.stats().used_blocks == 0
+
+
+def test_a_prompt_that_fits_only_if_its_sources_give_way_computes_in_full_instead_of_waiting():
+    s = make(num_blocks=5)
+    cache_doc(s)
+    req = segmented("s", [[1, 2, 3], DOC, [9, 9]], recompute_blocks=0)
+    s.add_request(req)
+    outs = run(s, req)
+    assert not any(o.slot_copies for o in outs) and s.kv.num_segment_tokens_copied == 0
+    assert sum(o.num_tokens for o in outs) == 13 and s.kv.prefix.pinned_blocks() == []
     assert s.kv.stats().used_blocks == 0
 
 

@@ -73,6 +73,58 @@ def test_reused_segments_copy_their_own_kv_rotated_to_where_they_stand(llm, docs
     assert_clean(llm)
 
 
+def test_selective_recompute_of_every_copied_token_is_the_full_prefill(llm, docs):
+    full = [t for d in docs for t in d]
+    want = fresh(llm).generate([full], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    counts = llm.llm_engine.runner.selective_tokens
+    before = dict(counts)
+    fresh(llm)
+    prompt = {"segments": docs, "recompute_blocks": 0, "recompute_ratio": 1.0}
+    got = llm.generate([prompt], greedy(8), use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want
+    # the two middle documents' full blocks (4 + 5) were copied, then every one of their tokens recomputed
+    assert counts["candidates"] - before["candidates"] == 9 * BS
+    assert counts["recomputed"] - before["recomputed"] == 9 * BS
+    assert_clean(llm)
+
+
+def test_selective_recompute_keeps_the_tokens_whose_kv_deviated_most_at_the_check_layer(llm, docs):
+    from kvpage.worker.selective import CHECK_LAYER
+
+    eng = fresh(llm).llm_engine
+    # naive reuse first: its copied slots hold the copies CacheBlend starts from, bit for bit
+    eng.add_request("n", SegmentedPrompt.parse(docs, 0), greedy(6))
+    while "n" not in eng.scheduler.requests:
+        eng.step()
+    eng.step()
+    eng.add_request("c", SegmentedPrompt.parse(docs, 0, 0.25), greedy(4))
+    eng.step()  # (its prompt runs beside the naive request's decode)
+    seq = eng.scheduler.requests["c"].sequences[0]
+    assert seq.filled == [(37, 37 + 4 * BS), (108, 108 + 5 * BS)] and seq.num_computed == seq.num_prompt_tokens
+    mine, naive = eng.kv_manager.block_table(SeqKey("c", 0)), eng.kv_manager.block_table(SeqKey("n", 0))
+    slots = [p for a, b in seq.filled for p in range(a, b)]
+
+    def kv_at(table, layer):
+        kv = eng.kv_cache.layers[layer]
+        rows = torch.tensor([table[p // BS] * BS + p % BS for p in slots])
+        return kv.read_slots(rows)
+
+    def deviation(layer):
+        (ka, va), (kb, vb) = kv_at(mine, layer), kv_at(naive, layer)
+        return ((ka - kb) ** 2).sum((1, 2)) + ((va - vb) ** 2).sum((1, 2))
+
+    check = deviation(CHECK_LAYER)
+    assert (check > 0).all()  # every copied token was recomputed up to the check layer
+    kept = deviation(CHECK_LAYER + 1) > 0
+    assert int(kept.sum()) == 9 * BS // 4  # a quarter of the 144 copied tokens: past it, only those carried on ...
+    for layer in (CHECK_LAYER + 2, eng.model_config.num_layers - 1):
+        assert ((deviation(layer) > 0) == kept).all()  # ... the same ones in every later layer
+    assert check[kept].min() > check[~kept].max()  # those whose K/V deviated most from the copy
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert_clean(llm)
+
+
 def test_approximate_kv_is_never_served_as_a_prefix_hit(llm, docs):
     order = [docs[0], docs[2], docs[1], docs[3]]
     full = [t for d in order for t in d]
@@ -97,9 +149,10 @@ def test_requests_sharing_a_document_wait_on_one_prefill_of_it_and_internal_requ
     assert_clean(llm)
 
 
-def test_segments_under_preemption_and_abort_leave_the_pool_free(docs):
+@pytest.mark.parametrize("ratio", [0.0, 0.15])
+def test_segments_under_preemption_and_abort_leave_the_pool_free(docs, ratio):
     llm = make_llm(num_kv_blocks=24, max_model_len=24 * BS, preemption_mode="recompute")
-    prompts = [{"segments": [docs[0], docs[i % 3], docs[3]]} for i in range(1, 5)]
+    prompts = [{"segments": [docs[0], docs[i % 3], docs[3]], "recompute_ratio": ratio} for i in range(1, 5)]
     outs = llm.generate(prompts, greedy(24), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
     assert llm.llm_engine.scheduler.num_preemptions > 0
@@ -137,6 +190,8 @@ def test_bad_segments_are_refused_naming_the_field(llm, docs):
         llm.generate([{"segments": ["a", ""]}], use_tqdm=False)
     with pytest.raises(ValueError, match="recompute_blocks"):
         llm.generate([{"segments": ["a", "b"], "recompute_blocks": -1}], use_tqdm=False)
+    with pytest.raises(ValueError, match="recompute_ratio"):
+        llm.generate([{"segments": ["a", "b"], "recompute_ratio": 1.5}], use_tqdm=False)
     with pytest.raises(ValueError, match="unsupported prompt field"):
         llm.generate([{"segments": ["a"], "prompt": "b"}], use_tqdm=False)
     with pytest.raises(ValueError, match="kv_eviction: .* does not go with a prompt of segments"):

@@ -139,9 +139,16 @@ def test_a_prompt_of_segments_through_the_openai_client(server, client):
     swapped = {"segments": [docs[1], docs[0], docs[2]], "recompute_blocks": 0}
     reused = client.completions.create(model="smollm2", prompt=None, max_tokens=6, temperature=0, extra_body=swapped)
     assert reused.choices[0].text and kv.num_segment_tokens_copied > copied
+    # CacheBlend's selective recompute of every copied token: the plain prompt's answer again
+    blended = {"segments": [docs[1], docs[0], docs[2]], "recompute_blocks": 0, "recompute_ratio": 1.0}
+    ids2 = [t for i in (1, 0, 2) for t in tok.encode(docs[i], add_special_tokens=i == 1)]
+    plain2 = client.completions.create(model="smollm2", prompt=ids2, max_tokens=6, temperature=0)
+    again = client.completions.create(model="smollm2", prompt=None, max_tokens=6, temperature=0, extra_body=blended)
+    assert again.choices[0].text == plain2.choices[0].text
     for body, field in (({"segments": []}, "segments"), ({"segments": ["a", ""]}, "segments"),
                         ({"segments": ["a"], "prompt": "b"}, "prompt"),
                         ({"segments": ["a", "b"], "recompute_blocks": -1}, "recompute_blocks"),
+                        ({"segments": ["a", "b"], "recompute_ratio": 2}, "recompute_ratio"),
                         ({"segments": ["a", [10**6]]}, "segments")):  # fmt: skip
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="smollm2", prompt=body.pop("prompt", None), max_tokens=2, extra_body=body)

@@ -1,0 +1,115 @@
+"""CacheBlend's selective recompute (arXiv 2405.16444), in one forward of the step.
+
+A prompt of segments copies each reused segment's own KV into place (core/segments.py); that KV
+never saw what now precedes it. CacheBlend recomputes only the tokens whose KV deviates most:
+
+    layers 0 .. L          every token of the copied spans is computed in the new context (its
+                           K/V overwrites the copy), like the rest of the step
+    at layer L             the deviation of each copied token's new K/V from the copy it replaced,
+                           ||k_new - k_old||^2 + ||v_new - v_old||^2 over heads; per sequence, the
+                           top `select_ratio` share of its copied tokens carries on
+    layers L+1 ..          only those tokens and the step's ordinary tokens (the question, the
+                           recomputed blocks, other requests); the rest keep the copied K/V
+
+L is CacheBlend's check layer, the second one (index 1): the first layer's K/V depend on the token
+and its position only, so after the re-rotation its copy deviates by rounding alone. Past L the
+kept rows are a ragged batch of their own: every run of consecutive kept rows of an entry becomes
+an entry of a new `AttentionMetadata` (same block table; decodes first, as the metadata wants).
+`widen` puts the final hidden states back at their rows of the step; a dropped row's stays zero,
+and nothing reads it (the logits rows and every ordinary row are kept).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+
+from kvpage.attention import AttentionMetadata, LayerKV
+from kvpage.core.scheduler_output import ScheduledSequence
+
+CHECK_LAYER = 1
+
+
+class SelectiveRecompute:
+    def __init__(self, seqs: list[ScheduledSequence], meta: AttentionMetadata, num_layers: int):
+        self.layer = min(CHECK_LAYER, num_layers - 1)
+        self.seqs, self.meta = seqs, meta
+        groups: dict = defaultdict(list)  # seq_id -> its copied rows of the step (flat batch rows)
+        self.ratio = {}
+        for i, s in enumerate(seqs):
+            if s.select_ratio is not None:
+                start = meta.query_start_loc[i]
+                groups[s.seq_id].extend(range(start, start + len(s.token_ids)))
+                self.ratio[s.seq_id] = s.select_ratio
+        self.groups = dict(groups)
+        rows = [r for g in self.groups.values() for r in g]
+        self.candidates = torch.tensor(rows, dtype=torch.int64, device=meta.slot_mapping.device)
+        self.slots = meta.slot_mapping[self.candidates]
+        self.num_candidates, self.num_kept = len(rows), 0
+        self.rows: torch.Tensor | None = None
+        self.narrowed: AttentionMetadata | None = None
+
+    def read(self, kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
+        """The copied tokens' K/V in this layer's cache (before the layer writes: the copy; after: new)."""
+        return kv.read_slots(self.slots)
+
+    def narrow(self, before, after) -> tuple[torch.Tensor, AttentionMetadata]:
+        """After the check layer: the rows that carry on (in their new batch order) and their metadata."""
+        dev = ((after[0] - before[0]) ** 2).sum((1, 2)) + ((after[1] - before[1]) ** 2).sum((1, 2))
+        dropped, at = set(), 0
+        for seq_id, rows in self.groups.items():
+            d = dev[at : at + len(rows)]
+            at += len(rows)
+            keep = max(0, min(len(rows), math.ceil(self.ratio[seq_id] * len(rows))))
+            kept = set(torch.topk(d, keep).indices.tolist()) if keep else set()
+            dropped.update(r for j, r in enumerate(rows) if j not in kept)
+            self.num_kept += keep
+        entries = []  # (row ids, entry index in the step's batch) per run of consecutive kept rows
+        for i, s in enumerate(self.seqs):
+            start, run = self.meta.query_start_loc[i], []
+            for r in range(start, start + len(s.token_ids)):
+                if r in dropped:
+                    if run:
+                        entries.append((run, i))
+                    run = []
+                else:
+                    run.append(r)
+            if run:
+                entries.append((run, i))
+        entries.sort(key=lambda e: len(e[0]) != 1)  # decodes first (stable: batch order otherwise)
+        self.entry_of = [i for _, i in entries]
+
+        def kv_len(run, i):  # keys the run's last query sees: its position + 1, less the evicted
+            s = self.seqs[i]
+            return s.num_computed + (run[-1] - self.meta.query_start_loc[i]) + 1 - s.num_evicted
+
+        device = self.meta.slot_mapping.device
+        self.narrowed = AttentionMetadata.build(
+            [len(run) for run, _ in entries], [kv_len(run, i) for run, i in entries],
+            [self.seqs[i].block_table for _, i in entries], self.meta.block_size, device,
+            want_mass=[self.seqs[i].want_mass for _, i in entries],
+        )  # fmt: skip
+        self.rows = torch.tensor([r for run, _ in entries for r in run], dtype=torch.int64, device=device)
+        return self.rows, self.narrowed
+
+    def widen(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The kept rows' final hidden states at their rows of the step (and H2O's mass of the layers
+        after the check layer added to the step's own entries)."""
+        if self.rows is None:
+            return hidden
+        full = hidden.new_zeros(self.meta.num_tokens, hidden.shape[1])
+        full[self.rows] = hidden
+        mass = self.narrowed.block_mass if self.narrowed is not None else None
+        if mass is not None and self.meta.block_mass is not None:
+            index = torch.tensor(self.entry_of, dtype=torch.int64, device=mass.device)
+            self.meta.block_mass[:, : mass.shape[1]].index_add_(0, index, mass)
+        return full
+
+
+def selective_recompute(seqs: list[ScheduledSequence], meta: AttentionMetadata, num_layers: int):
+    """The step's selective recompute, or None when no entry asks for one."""
+    if all(s.select_ratio is None for s in seqs):
+        return None
+    return SelectiveRecompute(seqs, meta, num_layers)
