@@ -126,6 +126,15 @@ class EngineConfig:
         "runs past max_model_len) or 'h2o[:heavy_tokens=512,recent_tokens=512]' "
         "(default: none; a request's own overrides)",
     )
+    kv_read_budget: int | None = _opt(
+        None,
+        "tokens each decode may read of the cache past the first layers: the first block, the last "
+        "two and the rest chosen by their keys' min/max bounds (Quest; nothing is freed). Keeps the "
+        "bounds (an eighth more per bfloat16 block of SmolLM2); 0 keeps them and reads all unless a request's own "
+        "kv_read_budget says (default: no bounds, every block)",
+        type=int,
+        metavar="TOKENS",
+    )
     block_size_lengths: Any = _opt(
         None,
         "with --block-size auto: the lengths to hold at once, LENGTH:COUNT,... or "
@@ -197,6 +206,11 @@ class EngineConfig:
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         self.kv_eviction = parse_eviction(self.kv_eviction) or NO_EVICTION
+        v = self.kv_read_budget
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ValueError(f"kv_read_budget must be an integer >= 0 (tokens; 0: every block), got {v!r}")
+        if v and self.kv_eviction.evicts:
+            raise ValueError(f"kv_read_budget does not go with kv_eviction {self.kv_eviction.describe()}")
         self._check_deterministic()
 
     def _check_deterministic(self) -> None:

@@ -68,6 +68,9 @@ class _SamplingFields:
     # as "streaming:sink_tokens=4,window_tokens=1020", or "none"; None: the engine's kv_eviction.
     # Parsed once, here: afterwards it is an EvictionPolicy (NO_EVICTION for "none") or None.
     kv_eviction: EvictionPolicy | Any = None
+    # Tokens each decode step may read of the cache, the blocks chosen by their keys' bounds (Quest;
+    # kvpage/attention/key_bounds.py): None, the engine's kv_read_budget; 0, every block.
+    kv_read_budget: int | None = None
 
 
 class SamplingParams(_SamplingFields):
@@ -126,6 +129,7 @@ class SamplingParams(_SamplingFields):
             if not isinstance(getattr(self, name), bool):
                 raise ParameterError(_field(name), f"{name} must be true or false, got {getattr(self, name)!r}")
         self.kv_eviction = parse_kv_eviction(self.kv_eviction)
+        _int("kv_read_budget", self.kv_read_budget, 0, allow_none=True)
 
     @property
     def greedy(self) -> bool:
@@ -145,6 +149,7 @@ class _BeamFields:
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     kv_eviction: EvictionPolicy | Any = None  # as SamplingParams.kv_eviction
+    kv_read_budget: int | None = None  # as SamplingParams.kv_read_budget
 
 
 class BeamSearchParams(_BeamFields):
@@ -166,6 +171,7 @@ class BeamSearchParams(_BeamFields):
         if not isinstance(self.ignore_eos, bool):
             raise ParameterError("ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         self.kv_eviction = parse_kv_eviction(self.kv_eviction)
+        _int("kv_read_budget", self.kv_read_budget, 0, allow_none=True)
 
 
 def parse_kv_eviction(spec: Any) -> EvictionPolicy | None:

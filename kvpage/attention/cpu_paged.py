@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpage.attention.key_bounds import RECENT_BLOCKS, SINK_BLOCKS
 from kvpage.attention.layer_kv import LayerKV
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.attention.torch_ref import TorchReferenceBackend
@@ -42,6 +43,7 @@ class CpuPagedBackend(TorchReferenceBackend):
         ops = torch.ops.kvpage
         self._decode, self._decode_int8 = ops.paged_decode_attention, ops.paged_decode_attention_int8
         self._write, self._write_int8 = ops.write_kv, ops.write_kv_int8
+        self._bounds = ops.refresh_key_bounds
 
     def write(self, k, v, kv: LayerKV, slots) -> None:
         if not _kernel_reads(kv, k.dtype):
@@ -51,11 +53,17 @@ class CpuPagedBackend(TorchReferenceBackend):
         else:
             self._write(k, v, kv.k, kv.v, slots)
 
+    def refresh_bounds(self, kv: LayerKV, slots) -> None:
+        if kv.kv_dtype == "fp8" or (not kv.quantized and kv.k.dtype not in KERNEL_DTYPES):
+            return super().refresh_bounds(kv, slots)
+        self._bounds(kv.k, kv.k_scale, kv.k_min, kv.k_max, slots)
+
     def decodes(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
         if not _kernel_reads(kv, q.dtype) or meta.block_mass is not None:  # H2O's mass: reference path
             return super().decodes(out, q, kv, meta, scale)
         n = meta.num_decodes
-        self._decode_in_place(out[:n], q[:n], kv, meta.block_tables, meta.seq_lens, scale)
+        budget = (kv.k_min, kv.k_max, meta.read_blocks) if kv.bounded and meta.read_blocks is not None else ()
+        self._decode_in_place(out[:n], q[:n], kv, meta.block_tables, meta.seq_lens, scale, *budget)
 
     def prefill_chunk(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> None:
         m, n = q.shape[0], meta.seq_lens_list[i]
@@ -69,11 +77,13 @@ class CpuPagedBackend(TorchReferenceBackend):
         lens = torch.arange(n - m + 1, n + 1, dtype=torch.int64, device=q.device)
         self._decode_in_place(out, q, kv, tables, lens, scale)
 
-    def _decode_in_place(self, out, q, kv: LayerKV, tables, lens, scale: float) -> None:
+    def _decode_in_place(self, out, q, kv: LayerKV, tables, lens, scale: float, *budget) -> None:
+        """`budget`: (k_min, k_max, read_blocks) for decodes with a read budget (key_bounds.py)."""
+        select = (*budget, SINK_BLOCKS, RECENT_BLOCKS) if budget else ()
         if kv.quantized:
-            self._decode_int8(out, q, kv.k, kv.v, kv.k_scale, kv.v_scale, tables, lens, scale)
+            self._decode_int8(out, q, kv.k, kv.v, kv.k_scale, kv.v_scale, tables, lens, scale, *select)
         else:
-            self._decode(out, q, kv.k, kv.v, tables, lens, scale)
+            self._decode(out, q, kv.k, kv.v, tables, lens, scale, *select)
 
 
 def _kernel_reads(kv: LayerKV, dtype: torch.dtype) -> bool:

@@ -3,7 +3,8 @@
 K and V of every block, [num_blocks, num_kv_heads, block_size, head_dim], and, when the KV dtype
 is quantized (int8 / fp8, see kv_quant.py), their scales, [num_blocks, num_kv_heads, block_size]
 float32: one per token and kv head. The scales are indexed by block like the values, so whatever
-moves a block (copy-on-write, swap) moves them too.
+moves a block (copy-on-write, swap) moves them too. So are the key bounds of a layer that keeps them
+(a read budget, key_bounds.py): k_min / k_max [num_blocks, kv_heads, head_dim] float32.
 """
 
 from __future__ import annotations
@@ -25,14 +26,29 @@ class LayerKV:
     k_scale: torch.Tensor | None = None  # [num_blocks, kv_heads, block_size] float32, quantized only
     v_scale: torch.Tensor | None = None
     kv_dtype: str = "auto"  # "auto" (values in the compute dtype), "int8" or "fp8"
+    # per block and kv head, the elementwise min and max of its keys ([num_blocks, kv_heads, head_dim]
+    # float32), kept where a read budget may choose blocks by them (key_bounds.py); None elsewhere
+    k_min: torch.Tensor | None = None
+    k_max: torch.Tensor | None = None
 
     @property
     def quantized(self) -> bool:
         return self.k_scale is not None
 
+    @property
+    def bounded(self) -> bool:
+        return self.k_min is not None
+
+    def keep_bounds(self) -> None:
+        """Allocate the key bounds (zeroed: a block's are computed when it is written)."""
+        n, heads, _, d = self.k.shape
+        self.k_min = torch.zeros(n, heads, d, dtype=torch.float32, device=self.k.device)
+        self.k_max = torch.zeros(n, heads, d, dtype=torch.float32, device=self.k.device)
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor indexed by block, as raw bytes where torch cannot copy the dtype itself."""
         out = [self.k, self.v] + ([self.k_scale, self.v_scale] if self.quantized else [])
+        out += [self.k_min, self.k_max] if self.bounded else []
         return [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in out]
 
     def read_slots(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

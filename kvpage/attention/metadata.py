@@ -15,6 +15,9 @@ the table: a sequence whose eviction policy released blocks has fewer keys than 
 block_mass (H2O): when some sequence wants it, [num_seqs, max_blocks] float32 that each layer's
 attention adds the softmax mass every block of the table received to (summed over heads and the
 sequence's queries); the reference path computes it, rows that do not want it may stay zero.
+
+read_blocks (a read budget, key_bounds.py): when some decode has one, [num_seqs] int64, the blocks
+each decode reads in the layers that keep key bounds (0: all of them; prefill chunks always 0).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvpage.attention import key_bounds
 from kvpage.core.block import cdiv
 
 DECODE_GROUP = 32  # decodes attended together; bigger groups pad more, smaller ones loop more
@@ -39,6 +43,7 @@ class AttentionMetadata:
     block_size: int
     want_mass: list[bool] = field(default_factory=list)
     block_mass: torch.Tensor | None = None
+    read_blocks: torch.Tensor | None = None
     _groups: list[tuple[torch.Tensor, int, torch.Tensor]] | None = field(default=None, repr=False)
     _query_start: torch.Tensor | None = field(default=None, repr=False)
 
@@ -88,8 +93,10 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
         want_mass: list[bool] | None = None,
+        read_budgets: list[int | None] | None = None,
     ) -> AttentionMetadata:
-        """From plain lists. Decodes (query length 1) must come first."""
+        """From plain lists. Decodes (query length 1) must come first. `read_budgets`: tokens each
+        sequence's decode may read (None: all), applied to decodes only."""
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
@@ -107,6 +114,10 @@ class AttentionMetadata:
         padded = [t + [0] * (width - len(t)) for t in block_tables]
         want = list(want_mass) if want_mass is not None else [False] * len(query_lens)
         mass = torch.zeros(len(query_lens), width, device=device) if any(want) else None
+        budgets = [
+            key_bounds.read_blocks(b, block_size) if i < num_decodes else 0 for i, b in enumerate(read_budgets or [])
+        ]
+        reads = torch.tensor(budgets, dtype=torch.int64, device=device) if any(budgets) else None
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             block_tables=torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(padded), width),
@@ -117,4 +128,5 @@ class AttentionMetadata:
             block_size=block_size,
             want_mass=want,
             block_mass=mass,
+            read_blocks=reads,
         )

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvpage.attention import key_bounds
 from kvpage.attention.kv_quant import dequantize, quantize
 from kvpage.attention.layer_kv import LayerKV
 from kvpage.attention.metadata import AttentionMetadata
@@ -74,6 +75,8 @@ class TorchReferenceBackend:
 
     def forward(self, q, k, v, kv: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.write(k, v, kv, meta.slot_mapping)
+        if kv.bounded:
+            self.refresh_bounds(kv, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.num_decodes:
             self.decodes(out, q, kv, meta, scale)
@@ -83,10 +86,38 @@ class TorchReferenceBackend:
     def write(self, k, v, kv: LayerKV, slots) -> None:
         write_kv(k, v, kv, slots)
 
+    def refresh_bounds(self, kv: LayerKV, slots) -> None:
+        """The key bounds of the blocks the step wrote (a layer that keeps them: key_bounds.py)."""
+        key_bounds.refresh_bounds(kv, slots)
+
     def decodes(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
         """out[:num_decodes] = attention of the first num_decodes queries (one token each)."""
+        if meta.read_blocks is not None and kv.bounded:
+            return self._decodes_within_budget(out, q, kv, meta, scale)
         for rows, max_len, bias in meta.decode_groups:
             out[rows] = self._decode_group(q[rows], rows, max_len, bias, kv, meta, scale)
+
+    def _decodes_within_budget(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
+        """Each decode over the blocks its read budget chooses, per kv head (key_bounds.py): the
+        reference the compiled kernel is tested against, one sequence at a time."""
+        bs, kv_heads = meta.block_size, kv.k.shape[1]
+        group = q.shape[1] // kv_heads
+        for i in range(meta.num_decodes):
+            n, table = meta.seq_lens_list[i], meta.block_tables[i]
+            qi = q[i].float() * scale  # [heads, d]
+            chosen = key_bounds.choose_blocks(qi, kv, table, n, int(meta.read_blocks[i]))  # type: ignore[index]
+            for h in range(kv_heads):
+                j = chosen[h]
+                blocks = table[j]
+                pos = (j[:, None] * bs + torch.arange(bs, device=q.device)[None]).reshape(-1)
+                keys = kv.k[blocks, h].reshape(-1, kv.k.shape[3])
+                values = kv.v[blocks, h].reshape(-1, kv.v.shape[3])
+                if kv.quantized:
+                    keys = dequantize(keys, kv.k_scale[blocks, h].reshape(-1), torch.float32)
+                    values = dequantize(values, kv.v_scale[blocks, h].reshape(-1), torch.float32)
+                keys, values = keys.float()[pos < n], values.float()[pos < n]
+                probs = (qi[h * group : (h + 1) * group] @ keys.T).softmax(-1)  # [group, len]
+                out[i, h * group : (h + 1) * group] = (probs @ values).to(out.dtype)
 
     def prefills(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
         """Each prefill chunk on its own, after the decodes (its K/V already written)."""

@@ -85,8 +85,8 @@ class TritonPagedBackend(TorchReferenceBackend):
         )  # fmt: skip
 
     def decodes(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
-        if not _covered(kv) or meta.block_mass is not None:
-            return super().decodes(out, q, kv, meta, scale)
+        if not _covered(kv) or meta.block_mass is not None or (meta.read_blocks is not None and kv.bounded):
+            return super().decodes(out, q, kv, meta, scale)  # (a read budget: the reference's selection)
         n = meta.num_decodes
         num_kv_heads, block_size, d = kv.k.shape[1:]
         heads = q.shape[1]

@@ -7,6 +7,10 @@ float32 / bfloat16 / float16 blocks hold the values themselves (no scale). int8 
 (float8_e4m3fn) blocks hold one byte per value plus one float32 scale per token, kv head and K or V
 (see kvpage/attention/kv_quant.py for why per token): for a head_dim of 64, 68 bytes against
 bfloat16's 128, so a pool of the same bytes holds 1.88x the blocks of bfloat16, 3.76x those of float32.
+
+A cache that keeps key bounds for a read budget (kvpage/attention/key_bounds.py) adds, per block, in
+each of its `bounded_layers`, a float32 min and max per kv head and head_dim: 2 x kv_heads x head_dim x 4
+bytes (SmolLM2, 16-token blocks of bfloat16: 12.5% more per block in those layers).
 """
 
 from __future__ import annotations
@@ -26,5 +30,8 @@ def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, kv_dtype: str)
     return 2 * layers * kv_heads * (head_dim * ELEMENT_BYTES[kv_dtype] + SCALE_BYTES.get(kv_dtype, 0))
 
 
-def kv_bytes_per_block(layers: int, kv_heads: int, head_dim: int, kv_dtype: str, block_size: int) -> int:
-    return kv_bytes_per_token(layers, kv_heads, head_dim, kv_dtype) * block_size
+def kv_bytes_per_block(
+    layers: int, kv_heads: int, head_dim: int, kv_dtype: str, block_size: int, bounded_layers: int = 0
+) -> int:
+    bounds = 2 * bounded_layers * kv_heads * head_dim * 4
+    return kv_bytes_per_token(layers, kv_heads, head_dim, kv_dtype) * block_size + bounds

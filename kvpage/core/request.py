@@ -117,6 +117,9 @@ class Request:
     # CacheBlend's selective recompute (0: off): the copied spans are computed too, every layer up to
     # the check layer for all their tokens, the later ones for this share of them (worker/selective.py)
     recompute_ratio: float = 0.0
+    # Its decodes read at most this many tokens' blocks, chosen by their key bounds (Quest); nothing
+    # is freed, so the scheduler only passes it on. None: a full read.
+    read_budget: int | None = None
 
     @property
     def unbounded(self) -> bool:

@@ -246,6 +246,9 @@ class Scheduler(Intake):
                     num_evicted=step.num_evicted,
                     want_mass=req.eviction.wants_mass,
                     select_ratio=req.recompute_ratio if filled else None,
+                    # generated tokens only: a prompt's last token computed alone (after a prefix hit)
+                    # reads in full, as it would inside its prompt's chunk
+                    read_budget=req.read_budget if start >= seq.num_prompt_tokens else None,
                 )
             )
         self._in_flight.add(req.request_id)

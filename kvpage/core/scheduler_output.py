@@ -45,6 +45,9 @@ class ScheduledSequence:
     # layer recompute all of them; the later layers only this share, the tokens whose K/V deviated
     # most from the reused (worker/selective.py). None: an ordinary run, computed in full.
     select_ratio: float | None = None
+    # A read budget (attention/key_bounds.py): a decode of this sequence reads at most this many
+    # tokens' blocks in the layers that keep key bounds, chosen by them. None: every block.
+    read_budget: int | None = None
 
     @property
     def kv_len(self) -> int:

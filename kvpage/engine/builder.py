@@ -80,13 +80,14 @@ def build_engine(config: EngineConfig) -> EngineParts:
         torch_path = config.kv_cache_dtype == "fp8" and backend.name != "torch"
         kernels += f"; {config.kv_cache_dtype} KV cache" + (" (attention on the torch path)" if torch_path else "")
     block_size = config.block_size
-    per_block = KVCache.bytes_per_block(loaded.config, block_size, dtype, config.kv_cache_dtype)
+    bounds = config.kv_read_budget is not None  # the key bounds a read budget chooses blocks by
+    per_block = KVCache.bytes_per_block(loaded.config, block_size, dtype, config.kv_cache_dtype, bounds)
     num_blocks, note = _num_blocks(config, loaded, dtype, per_block)
     num_cpu_blocks = int(config.swap_space) // per_block
     num_tier_blocks = int(config.cpu_offload_memory) // per_block
     max_model_len = _max_model_len(config, loaded.config.max_position_embeddings, num_blocks, block_size)
     kv_cache = KVCache(loaded.config, num_blocks, block_size, dtype, config.device, num_cpu_blocks,
-                       config.kv_cache_dtype, num_tier_blocks, backend=backend)  # fmt: skip
+                       config.kv_cache_dtype, num_tier_blocks, backend=backend, key_bounds=bounds)  # fmt: skip
     remote = _remote_tier(config, loaded, dtype_name, kv_cache) if config.remote_kv else None
     kv_manager = KVCacheManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                 enable_prefix_caching=config.enable_prefix_caching, watermark=config.watermark,

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from kvpage.attention.key_bounds import RECENT_BLOCKS, min_budget
 from kvpage.config import EngineConfig
 from kvpage.core import CacheStats
 from kvpage.core.kv_events import KVEventLog
@@ -33,6 +34,7 @@ from kvpage.engine.engine_stats import EngineStats, StepTokens
 from kvpage.engine.kv_verifier import KVVerifyReport, verify_kv_cache
 from kvpage.engine.output_processor import OutputProcessor, RequestState
 from kvpage.engine.segment_prompts import SegmentCompiler, SegmentedPrompt, prompt_of
+from kvpage.errors import ParameterError
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams, parse_kv_eviction
 from kvpage.worker.model_runner import ModelRunnerOutput
@@ -135,12 +137,14 @@ class LLMEngine:
             )
         if spans and eviction.evicts:
             raise ValueError(f"kv_eviction: {eviction.describe()} does not go with a prompt of segments")
+        read_budget = self._read_budget(params, eviction)
         recompute = prompt.recompute_blocks if isinstance(prompt, SegmentedPrompt) else 1
         ratio = prompt.recompute_ratio if isinstance(prompt, SegmentedPrompt) else 0.0
         req = Request(request_id, ids, self._arrivals, cache_salt=cache_salt, use_prefix_cache=not want_plp,
                       want_prompt_logprobs=want_plp, width=width, eviction=eviction,
                       independent=not is_beam and width > 1 and not eviction.evicts,
-                      segments=spans, recompute_blocks=recompute, recompute_ratio=ratio)  # fmt: skip
+                      segments=spans, recompute_blocks=recompute, recompute_ratio=ratio,
+                      read_budget=read_budget)  # fmt: skip
         self._arrivals += 1
         eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
         extra_stops = set() if is_beam else set(params.stop_token_ids or ())
@@ -189,6 +193,24 @@ class LLMEngine:
                 self.num_segment_prefill_tokens += len(token_lists[i])
             waits.add(cid)
         return waits
+
+    def _read_budget(self, params, eviction) -> int | None:
+        """The request's decode read budget in tokens (its own, else the engine's; None: every block),
+        checked against what this engine keeps (attention/key_bounds.py)."""
+        own = params.kv_read_budget
+        budget = self.config.kv_read_budget if own is None else own
+        if not budget:
+            return None
+        field, bs = "kv_read_budget", self.kv_cache.block_size
+        if self.config.kv_read_budget is None:
+            raise ParameterError(field, "kv_read_budget: this engine keeps no key bounds; start it with "
+                                 "kv_read_budget (0 keeps them, reading every block unless asked)")  # fmt: skip
+        if budget < (lowest := min_budget(bs)):
+            why = f"the first block, the last {RECENT_BLOCKS} and one chosen, of {bs} tokens"
+            raise ParameterError(field, f"kv_read_budget must be at least {lowest} tokens ({why}), got {budget}")
+        if eviction.evicts:
+            raise ParameterError(field, f"kv_read_budget does not go with kv_eviction {eviction.describe()}")
+        return budget
 
     def check_width(self, name: str, width: int) -> None:
         """ParameterError (naming `name`) unless `width` sequences of one request can run in the same step."""

@@ -96,6 +96,10 @@ class _Common(BaseModel):
     # kvpage's extension: this request's eviction policy (core/eviction/), e.g. {"policy": "streaming",
     # "sink_tokens": 4, "window_tokens": 1020} or "h2o:heavy_tokens=256,recent_tokens=256" or "none"
     kv_eviction: Text | dict[Text, Text | StrictInt] | None = None
+    kv_read_budget: StrictInt | None = Field(None, ge=0, description=(
+        "kvpage's: tokens each decode step may read of the KV cache past the first layers, the blocks "
+        "chosen by their keys' bounds (Quest); 0 reads every block; default: the server's --kv-read-budget. "
+        "Needs a server started with --kv-read-budget"))  # fmt: skip
 
     @field_validator("stop")
     @classmethod

@@ -42,8 +42,8 @@ def translate(e: BaseException) -> BaseException:
         return e
     if isinstance(e, EngineUnavailable):
         return APIError(503, str(e), code="engine_unavailable")
-    if isinstance(e, ValueError):
-        return APIError(400, str(e))
+    if isinstance(e, ValueError):  # a ParameterError names its field
+        return APIError(400, str(e), param=e.param if isinstance(e, ParameterError) else None)
     if isinstance(e, RuntimeError):
         return APIError(500, str(e))
     return e
@@ -143,12 +143,13 @@ class OpenAIServing:
                 return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
                                         length_penalty=float(req.length_penalty),
                                         include_stop_str_in_output=req.include_stop_str_in_output,
-                                        kv_eviction=eviction)  # fmt: skip
+                                        kv_eviction=eviction, kv_read_budget=req.kv_read_budget)  # fmt: skip
             kw = dict(n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed, logprobs=logprobs,
                       prompt_logprobs=prompt_logprobs, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
                       stop_token_ids=req.stop_token_ids, skip_special_tokens=req.skip_special_tokens,
                       include_stop_str_in_output=req.include_stop_str_in_output,
-                      logit_bias=req.logit_bias or None, kv_eviction=eviction)  # fmt: skip
+                      logit_bias=req.logit_bias or None, kv_eviction=eviction,
+                      kv_read_budget=req.kv_read_budget)  # fmt: skip
             for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k", "min_p",
                          "repetition_penalty"):  # fmt: skip
                 value = getattr(req, name)

@@ -17,6 +17,7 @@ import weakref
 
 import torch
 
+from kvpage.attention.key_bounds import RECENT_BLOCKS, SINK_BLOCKS
 from kvpage.attention.layer_kv import LayerKV
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.models.layer_ops import KernelLayerOps
@@ -69,7 +70,8 @@ class FusedDecode:
         return torch.ops.kvpage.decode_layers(
             x, cos, sin, flat, bits, bias, *caches, meta.block_tables, meta.seq_lens, meta.slot_mapping,
             self.model.norm.weight, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, attn.scale,
-            0 < rows <= limit, ops.policy.one_order,
+            0 < rows <= limit, ops.policy.one_order, *_bounds_lists(kv_caches), meta.read_blocks,
+            SINK_BLOCKS, RECENT_BLOCKS,
         )  # fmt: skip
 
     def _layer_weights(self):
@@ -112,6 +114,16 @@ def _cache_lists(kv_caches: list[LayerKV], dtype: torch.dtype):
     if kv_dtype == "int8":
         return ks, vs, [kv.k_scale for kv in kv_caches], [kv.v_scale for kv in kv_caches]
     return (ks, vs, [], []) if not first.quantized and kdtype == dtype else None
+
+
+def _bounds_lists(kv_caches: list[LayerKV]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer, its key bounds (an empty tensor where it keeps none), or two empty lists when no
+    layer keeps any (attention/key_bounds.py: the kernel refreshes them and reads within a budget)."""
+    if not any(kv.bounded for kv in kv_caches):
+        return [], []
+    none = torch.empty(0)
+    return ([kv.k_min if kv.bounded else none for kv in kv_caches],
+            [kv.k_max if kv.bounded else none for kv in kv_caches])  # fmt: skip
 
 
 def step_forward(model):

@@ -8,7 +8,9 @@ stored: a cache holds num_kv_heads heads only.
 
 With a quantized KV dtype ("int8", "fp8"; kvpage/attention/kv_quant.py) each layer also holds the
 scales, [num_blocks, num_kv_heads, block_size] float32 for K and for V: they belong to the block,
-so copy-on-write, swap and every other move of a block carry them with it, bit for bit.
+so copy-on-write, swap and every other move of a block carry them with it, bit for bit. The same
+holds for the key bounds a read budget chooses blocks by (attention/key_bounds.py), kept past the
+first DENSE_LAYERS layers when `key_bounds`; a slot copy (segments, sink rotation) recomputes them.
 
 For the shared tier (core/remote_tier.py) a block travels as bytes: every layer's tensors' slices of
 it, in order (`read_blocks`), written back into CPU-tier blocks by `land`; `layout()` names that
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from kvpage.attention.backend import AttentionBackend
+from kvpage.attention.key_bounds import DENSE_LAYERS, refresh_bounds
 from kvpage.attention.kv_quant import dequantize, quantize
 from kvpage.attention.layer_kv import LayerKV
 from kvpage.attention.torch_ref import TorchReferenceBackend
@@ -46,6 +49,7 @@ class KVCache:
         kv_cache_dtype: str = "auto",
         num_tier_blocks: int = 0,
         backend: AttentionBackend | None = None,  # whose layout the blocks take (default: the reference's)
+        key_bounds: bool = False,  # keep per-block key bounds past the dense layers (a read budget)
     ) -> None:
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype
@@ -53,17 +57,23 @@ class KVCache:
         pin = torch.device(device).type == "cuda"
 
         def pool(n: int, where, pinned: bool = False) -> list[LayerKV]:
-            return [allocate(n, cfg.num_kv_heads, block_size, cfg.head_dim, dtype, kv_cache_dtype, where, pinned)
-                    for _ in range(cfg.num_layers)]  # fmt: skip
+            layers = [allocate(n, cfg.num_kv_heads, block_size, cfg.head_dim, dtype, kv_cache_dtype, where, pinned)
+                      for _ in range(cfg.num_layers)]  # fmt: skip
+            for layer in layers[DENSE_LAYERS:] if key_bounds else []:
+                layer.keep_bounds()
+            return layers
 
         self.layers = pool(num_blocks, device)
         self.cpu_layers = pool(num_cpu_blocks, "cpu", pin)
         self.tier_layers = pool(num_tier_blocks, "cpu", pin)  # the CPU tier of the prefix cache
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    def bytes_per_block(
+        cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto", key_bounds: bool = False
+    ) -> int:
         name = kv_dtype_name(kv_cache_dtype, dtype)
-        return kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, name, block_size)
+        bounded = max(0, cfg.num_layers - DENSE_LAYERS) if key_bounds else 0
+        return kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, name, block_size, bounded)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: device block src -> device block dst, every layer (scales included)."""
@@ -110,6 +120,8 @@ class KVCache:
                 layer.k[db, :, do] = rotated.to(layer.k.dtype)
             values = layer.tensors()[1]
             values[db, :, do] = values[sb, :, so]
+            if layer.bounded:
+                refresh_bounds(layer, dst)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, cpu block) pairs."""

@@ -371,9 +371,58 @@ constexpr bool bf16_dots() {
 
 // T: the dtype of q and out; C: the cache's (T itself, or int8 with a float scale per token and kv head
 // in ks / vs, [blocks, kv_heads, block_size]).
+// With `sel` (a read budget, kvpage/attention/key_bounds.py), a sequence whose budget sel.blocks[s] > 0
+// is under its block count reads only some blocks: the first `sink`, the last `recent`, and between
+// them the top by Quest's bound on the group's scores, max over its query heads g of
+// sum_d max(q_gd * kmin_d, q_gd * kmax_d) (per block and kv head, float32 [blocks, kv_heads, D]);
+// ties go to the earlier block. The chosen blocks are attended in table order.
+struct BlockSelect {
+  const float* kmin = nullptr;
+  const float* kmax = nullptr;
+  const int64_t* blocks = nullptr;  // [S] blocks to read per sequence (0: all)
+  int64_t sink = 1, recent = 2;
+};
+
+// The table indices j a (sequence, kv head) task reads, in order, into `idx` (scores: a reused buffer).
+inline void choose_blocks(const BlockSelect& sel, int64_t s, int64_t h, int64_t KVH, int64_t G, int64_t D,
+                          const float* qf, const int64_t* row, int64_t nb, std::vector<int64_t>& idx,
+                          std::vector<std::pair<float, int64_t>>& scores) {
+  idx.clear();
+  const int64_t want = sel.blocks != nullptr ? sel.blocks[s] : 0;
+  if (want <= 0 || want >= nb || sel.kmin == nullptr) {
+    for (int64_t j = 0; j < nb; ++j) idx.push_back(j);
+    return;
+  }
+  const int64_t sink = std::min(sel.sink, nb), first_recent = std::max(sink, nb - sel.recent);
+  const int64_t top = std::max<int64_t>(0, want - sink - (nb - first_recent));
+  scores.clear();
+  for (int64_t j = sink; j < first_recent; ++j) {
+    const int64_t off = (row[j] * KVH + h) * D;
+    const float *mn = sel.kmin + off, *mx = sel.kmax + off;
+    float best = -std::numeric_limits<float>::infinity();
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      float acc = 0.f;
+      for (int64_t d = 0; d < D; ++d) acc += std::max(qg[d] * mn[d], qg[d] * mx[d]);
+      best = std::max(best, acc);
+    }
+    scores.emplace_back(best, j);
+  }
+  const int64_t k = std::min<int64_t>(top, static_cast<int64_t>(scores.size()));
+  auto better = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  std::partial_sort(scores.begin(), scores.begin() + k, scores.end(), better);
+  for (int64_t j = 0; j < sink; ++j) idx.push_back(j);
+  for (int64_t i = 0; i < k; ++i) idx.push_back(scores[i].second);
+  std::sort(idx.begin() + sink, idx.end());
+  for (int64_t j = first_recent; j < nb; ++j) idx.push_back(j);
+}
+
 template <typename T, typename C = T>
 void decode_impl(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor& bt,
-                 const Tensor& lens, double scale, const float* ksp = nullptr, const float* vsp = nullptr) {
+                 const Tensor& lens, double scale, const float* ksp = nullptr, const float* vsp = nullptr,
+                 const BlockSelect& sel = BlockSelect{}) {
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = kc.size(1), BS = kc.size(2), G = H / KVH;
   const T* qp = q.data_ptr<T>();
@@ -396,6 +445,8 @@ void decode_impl(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& v
   at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
     // kf/vf: one block of K/V in float32 (bfloat16 and int8 caches are widened once per block)
     std::vector<float> qf(G * D), acc(G * D), m(G), l(G), sc(G * BS), kf, vf;
+    std::vector<int64_t> idx;
+    std::vector<std::pair<float, int64_t>> bscores;
     if constexpr (!std::is_same_v<C, float>) kf.resize(BS * D), vf.resize(BS * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / KVH, h = task % KVH, n = lp[s];
@@ -406,15 +457,18 @@ void decode_impl(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& v
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t j = 0; j * BS < n; ++j) {
+      choose_blocks(sel, s, h, KVH, G, D, qf.data(), btp + s * bts, (n + BS - 1) / BS, idx, bscores);
+      const int64_t nidx = static_cast<int64_t>(idx.size());
+      for (int64_t u = 0; u < nidx; ++u) {
+        const int64_t j = idx[u];
         const int64_t blk = btp[s * bts + j], cnt = std::min(BS, n - j * BS);
         TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id ", blk, " out of range");
         const int64_t base = (blk * KVH + h) * BS * D;
 #if defined(__AVX2__)
         // the blocks ahead sit anywhere in the pool: ask for their K/V now, about 8 KiB of K ahead, while
         // this one is computed (the hardware prefetcher cannot guess a block table)
-        for (int64_t jn = j == 0 ? 1 : j + ahead; jn <= j + ahead && jn * BS < n; ++jn) {
-          const int64_t nblk = btp[s * bts + jn];
+        for (int64_t un = u == 0 ? 1 : u + ahead; un <= u + ahead && un < nidx; ++un) {
+          const int64_t jn = idx[un], nblk = btp[s * bts + jn];
           if (nblk >= 0 && nblk < num_blocks) {
             const char* nk = reinterpret_cast<const char*>(kp + (nblk * KVH + h) * BS * D);
             const char* nv = reinterpret_cast<const char*>(vp + (nblk * KVH + h) * BS * D);
@@ -487,11 +541,32 @@ void check_decode(const Tensor& out, const Tensor& q, const Tensor& k_cache, con
     TORCH_CHECK(lp[s] > 0 && lp[s] <= block_tables.size(1) * k_cache.size(2), "sequence ", s, " length ", lp[s], " exceeds its block table");
 }
 
+// The read budget's inputs checked and wrapped (none given: every block is read).
+BlockSelect block_select(const Tensor& q, const Tensor& k_cache, const std::optional<Tensor>& k_min,
+                         const std::optional<Tensor>& k_max, const std::optional<Tensor>& read_blocks, int64_t sink,
+                         int64_t recent) {
+  BlockSelect sel;
+  if (!read_blocks.has_value() || !read_blocks->defined() || !k_min.has_value() || !k_min->defined() || k_min->numel() == 0)
+    return sel;
+  for (const Tensor* t : {&*k_min, &*k_max})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == k_cache.size(0) &&
+                    t->size(1) == k_cache.size(1) && t->size(2) == k_cache.size(3),
+                "key bounds must be contiguous float32 [blocks, kv_heads, head_dim]");
+  TORCH_CHECK(read_blocks->scalar_type() == at::kLong && read_blocks->is_contiguous() && read_blocks->numel() >= q.size(0),
+              "read_blocks must be int64, one per sequence");
+  TORCH_CHECK(sink >= 0 && recent >= 0, "sink and recent must be >= 0");
+  sel.kmin = k_min->data_ptr<float>(), sel.kmax = k_max->data_ptr<float>();
+  sel.blocks = read_blocks->data_ptr<int64_t>(), sel.sink = sink, sel.recent = recent;
+  return sel;
+}
+
 void paged_decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables,
-                            Tensor seq_lens, double scale) {
+                            Tensor seq_lens, double scale, std::optional<Tensor> k_min, std::optional<Tensor> k_max,
+                            std::optional<Tensor> read_blocks, int64_t sink, int64_t recent) {
   check_decode(out, q, k_cache, v_cache, block_tables, seq_lens);
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q, out and the cache must share a dtype");
-  dispatch_float(q.scalar_type(), "paged_decode_attention", [&](auto tag) { decode_impl<decltype(tag)>(out, q, k_cache, v_cache, block_tables, seq_lens, scale); });
+  const BlockSelect sel = block_select(q, k_cache, k_min, k_max, read_blocks, sink, recent);
+  dispatch_float(q.scalar_type(), "paged_decode_attention", [&](auto tag) { decode_impl<decltype(tag)>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, nullptr, nullptr, sel); });
 }
 
 void check_scales(const Tensor& cache, const Tensor& ks, const Tensor& vs) {
@@ -504,14 +579,67 @@ void check_scales(const Tensor& cache, const Tensor& ks, const Tensor& vs) {
 
 // The same over an int8 cache: each key / value row is widened times its token's scale as its block is read.
 void paged_decode_attention_int8(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, Tensor v_scale,
-                                 Tensor block_tables, Tensor seq_lens, double scale) {
+                                 Tensor block_tables, Tensor seq_lens, double scale, std::optional<Tensor> k_min,
+                                 std::optional<Tensor> k_max, std::optional<Tensor> read_blocks, int64_t sink,
+                                 int64_t recent) {
   check_decode(out, q, k_cache, v_cache, block_tables, seq_lens);
   check_scales(k_cache, k_scale, v_scale);
   const float* ks = k_scale.data_ptr<float>();
   const float* vs = v_scale.data_ptr<float>();
+  const BlockSelect sel = block_select(q, k_cache, k_min, k_max, read_blocks, sink, recent);
   dispatch_float(q.scalar_type(), "paged_decode_attention_int8", [&](auto tag) {
-    decode_impl<decltype(tag), int8_t>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, ks, vs);
+    decode_impl<decltype(tag), int8_t>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, ks, vs, sel);
   });
+}
+
+// --- per-block key bounds: k_min / k_max [blocks, kv_heads, D] float32, the elementwise min and max of
+// every slot of each block the slots touch (all B of them: a block's bound is exact once it is full,
+// whatever order its slots were written or copied in; the last, partial block is always read anyway).
+// int8 keys are widened times their scales first, exactly as the decode reads them.
+template <typename C>
+void bounds_impl(const Tensor& kc, const float* ksp, Tensor& kmin, Tensor& kmax, const Tensor& slots) {
+  const int64_t KVH = kc.size(1), BS = kc.size(2), D = kc.size(3), NB = kc.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  std::vector<int64_t> blocks;
+  for (int64_t i = 0; i < slots.numel(); ++i) {
+    TORCH_CHECK(sp[i] >= 0 && sp[i] / BS < NB, "slot ", sp[i], " out of range");
+    blocks.push_back(sp[i] / BS);
+  }
+  std::sort(blocks.begin(), blocks.end());
+  blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
+  const C* kp = kc.data_ptr<C>();
+  float* mnp = kmin.data_ptr<float>();
+  float* mxp = kmax.data_ptr<float>();
+  std::vector<float> row(BS * D);
+  for (int64_t blk : blocks) {
+    for (int64_t h = 0; h < KVH; ++h) {
+      const int64_t base = (blk * KVH + h) * BS * D;
+      if constexpr (std::is_same_v<C, int8_t>)
+        widen_int8(kp + base, ksp + (blk * KVH + h) * BS, row.data(), BS, D);
+      else
+        to_float(kp + base, row.data(), BS * D);
+      float* mn = mnp + (blk * KVH + h) * D;
+      float* mx = mxp + (blk * KVH + h) * D;
+      for (int64_t d = 0; d < D; ++d) mn[d] = mx[d] = row[d];
+      for (int64_t t = 1; t < BS; ++t)
+        for (int64_t d = 0; d < D; ++d) mn[d] = std::min(mn[d], row[t * D + d]), mx[d] = std::max(mx[d], row[t * D + d]);
+    }
+  }
+}
+
+void refresh_key_bounds(Tensor k_cache, std::optional<Tensor> k_scale, Tensor k_min, Tensor k_max, Tensor slots) {
+  TORCH_CHECK(k_cache.is_contiguous() && k_cache.dim() == 4, "k_cache must be contiguous [blocks, kv_heads, block_size, head_dim]");
+  for (const Tensor* t : {&k_min, &k_max})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == k_cache.size(0) &&
+                    t->size(1) == k_cache.size(1) && t->size(2) == k_cache.size(3),
+                "key bounds must be contiguous float32 [blocks, kv_heads, head_dim]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots must be int64");
+  if (k_cache.scalar_type() == at::kChar) {
+    TORCH_CHECK(k_scale.has_value() && k_scale->defined() && k_scale->scalar_type() == at::kFloat && k_scale->is_contiguous(), "an int8 cache needs its float32 scales");
+    bounds_impl<int8_t>(k_cache, k_scale->data_ptr<float>(), k_min, k_max, slots);
+  } else {
+    dispatch_float(k_cache.scalar_type(), "refresh_key_bounds", [&](auto tag) { bounds_impl<decltype(tag)>(k_cache, nullptr, k_min, k_max, slots); });
+  }
 }
 
 // --- K/V write: k, v [T, KVH, D] (rows may be strided) -> cache slot s = block * B + offset ----
@@ -1112,13 +1240,16 @@ Tensor decode_layers(Tensor x, Tensor cos, Tensor sin, at::TensorList weights, i
                      at::TensorList k_caches, at::TensorList v_caches, at::TensorList k_scales, at::TensorList v_scales,
                      Tensor block_tables, Tensor seq_lens, Tensor slot_mapping, Tensor final_norm, int64_t heads,
                      int64_t kv_heads, int64_t head_dim, double eps, double scale, bool kernel_linear,
-                     bool one_order) {
+                     bool one_order, at::TensorList k_mins, at::TensorList k_maxs, std::optional<Tensor> read_blocks,
+                     int64_t sink, int64_t recent) {
   const int64_t L = static_cast<int64_t>(k_caches.size()), T = x.size(0);
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * PER_LAYER && static_cast<int64_t>(v_caches.size()) == L, "decode_layers: ", PER_LAYER, " weights and a K and V cache per layer");
   TORCH_CHECK(qkv_bias.empty() || static_cast<int64_t>(qkv_bias.size()) == L, "decode_layers: a qkv bias per layer or none");
   const bool int8 = !k_scales.empty();
   TORCH_CHECK(!int8 || (static_cast<int64_t>(k_scales.size()) == L && static_cast<int64_t>(v_scales.size()) == L), "decode_layers: int8 scales per layer");
   TORCH_CHECK(block_tables.size(0) == T && seq_lens.numel() == T, "decode_layers: one token per sequence");
+  const bool bounded = !k_mins.empty();
+  TORCH_CHECK(!bounded || (static_cast<int64_t>(k_mins.size()) == L && static_cast<int64_t>(k_maxs.size()) == L), "decode_layers: key bounds per layer (empty where a layer keeps none)");
   const int64_t qs = heads * head_dim, kvs = kv_heads * head_dim;
   Tensor delta;
   for (int64_t l = 0; l < L; ++l) {
@@ -1130,12 +1261,19 @@ Tensor decode_layers(Tensor x, Tensor cos, Tensor sin, at::TensorList weights, i
     Tensor k = qkv.narrow(1, qs, kvs).view({T, kv_heads, head_dim});
     Tensor v = qkv.narrow(1, qs + kvs, kvs).view({T, kv_heads, head_dim});
     Tensor o = at::empty({T, heads, head_dim}, q.options());
+    // this layer's key bounds, if it keeps them (the first layers read densely and keep none)
+    const bool lb = bounded && k_mins[l].numel() > 0;
+    const std::optional<Tensor> mn = lb ? std::optional<Tensor>(k_mins[l]) : std::nullopt;
+    const std::optional<Tensor> mx = lb ? std::optional<Tensor>(k_maxs[l]) : std::nullopt;
     if (int8) {
       write_kv_int8(k, v, k_caches[l], v_caches[l], k_scales[l], v_scales[l], slot_mapping);
-      paged_decode_attention_int8(o, q, k_caches[l], v_caches[l], k_scales[l], v_scales[l], block_tables, seq_lens, scale);
+      if (lb) refresh_key_bounds(k_caches[l], k_scales[l], k_mins[l], k_maxs[l], slot_mapping);
+      paged_decode_attention_int8(o, q, k_caches[l], v_caches[l], k_scales[l], v_scales[l], block_tables, seq_lens, scale,
+                                  mn, mx, read_blocks, sink, recent);
     } else {
       write_kv(k, v, k_caches[l], v_caches[l], slot_mapping);
-      paged_decode_attention(o, q, k_caches[l], v_caches[l], block_tables, seq_lens, scale);
+      if (lb) refresh_key_bounds(k_caches[l], std::nullopt, k_mins[l], k_maxs[l], slot_mapping);
+      paged_decode_attention(o, q, k_caches[l], v_caches[l], block_tables, seq_lens, scale, mn, mx, read_blocks, sink, recent);
     }
     h = add_rms_norm(x, any_linear(o.view({T, qs}), w + 5, bits, Tensor(), kernel_linear, one_order), w[1], eps);
     delta = any_linear(silu_mul(any_linear(h, w + 8, bits, Tensor(), kernel_linear, one_order)), w + 11, bits, Tensor(), kernel_linear, one_order);
@@ -1146,9 +1284,10 @@ Tensor decode_layers(Tensor x, Tensor cos, Tensor sin, at::TensorList weights, i
 }  // namespace
 
 TORCH_LIBRARY(kvpage, m) {
-  m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_min=None, Tensor? k_max=None, Tensor? read_blocks=None, int sink=1, int recent=2) -> ()");
+  m.def("refresh_key_bounds(Tensor k_cache, Tensor? k_scale, Tensor(a!) k_min, Tensor(b!) k_max, Tensor slots) -> ()");
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
-  m.def("paged_decode_attention_int8(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, Tensor v_scale, Tensor block_tables, Tensor seq_lens, float scale) -> ()");
+  m.def("paged_decode_attention_int8(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, Tensor v_scale, Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_min=None, Tensor? k_max=None, Tensor? read_blocks=None, int sink=1, int recent=2) -> ()");
   m.def("write_kv_int8(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
@@ -1157,12 +1296,13 @@ TORCH_LIBRARY(kvpage, m) {
   m.def("linear_rows(Tensor x, Tensor w, Tensor? bias, bool one_order=False) -> Tensor");
   m.def("linear_quant(Tensor x, Tensor q, Tensor scales, Tensor? mins, int bits, Tensor? bias) -> Tensor");
   m.def("dequantize_weight(Tensor q, Tensor scales, Tensor? mins, int bits) -> Tensor");
-  m.def("decode_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor[] weights, int bits, Tensor[] qkv_bias, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor(d!)[] k_scales, Tensor(e!)[] v_scales, Tensor block_tables, Tensor seq_lens, Tensor slot_mapping, Tensor final_norm, int heads, int kv_heads, int head_dim, float eps, float scale, bool kernel_linear, bool one_order=False) -> Tensor");
+  m.def("decode_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor[] weights, int bits, Tensor[] qkv_bias, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor(d!)[] k_scales, Tensor(e!)[] v_scales, Tensor block_tables, Tensor seq_lens, Tensor slot_mapping, Tensor final_norm, int heads, int kv_heads, int head_dim, float eps, float scale, bool kernel_linear, bool one_order, Tensor(f!)[] k_mins, Tensor(g!)[] k_maxs, Tensor? read_blocks, int sink, int recent) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvpage, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("write_kv", &write_kv);
+  m.impl("refresh_key_bounds", &refresh_key_bounds);
   m.impl("paged_decode_attention_int8", &paged_decode_attention_int8);
   m.impl("write_kv_int8", &write_kv_int8);
   m.impl("rms_norm", &rms_norm);

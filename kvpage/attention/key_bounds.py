@@ -1,0 +1,77 @@
+"""A read budget for decode attention: per-block key bounds, and the blocks a query reads (Quest).
+
+Quest (arXiv 2406.10774) keeps, per block and kv head, the elementwise min and max of the block's
+keys. For a query q, sum_d max(q_d * min_d, q_d * max_d) bounds q . k from above for every key k of
+the block, so a decode can read only the blocks whose bound is highest. kvpage does it per
+(sequence, kv head), the task its decode kernel already runs, scoring each block with the group's
+query heads (the max of their bounds) and reading, in table order:
+
+    table:  [ b0 | b1 b2 b3 b4 b5 b6 b7 b8 b9 | b10 b11 ]      12 blocks, read_blocks = 6
+             sink   top 3 of b1..b9 by bound     recent
+    read:   [ b0 |    b3       b6 b8          | b10 b11 ]
+
+Nothing is freed or moved: the block table, prefix caching, sharing, beams and swapping are those of
+a full read, and a budget at or above the sequence's blocks reads everything. The first
+`DENSE_LAYERS` layers always read everything (as Quest does) and keep no bounds.
+
+The bounds live in the layer's cache (`LayerKV.k_min` / `k_max`, [num_blocks, kv_heads, head_dim]
+float32) so every move of a block carries them. Each write of a block recomputes its bounds over all
+of its slots (`refresh_bounds`): once a block is full they are exact, whatever order its slots were
+written, copied or rotated in; the last, partial block is always among the recent ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpage.attention.kv_quant import dequantize
+
+SINK_BLOCKS = 1  # the first block of every sequence is always read (StreamingLLM's attention sink)
+RECENT_BLOCKS = 2  # and its last two (the block being written and the one before it)
+DENSE_LAYERS = 2  # layers read in full, which keep no bounds
+MIN_READ_BLOCKS = SINK_BLOCKS + RECENT_BLOCKS + 1  # a budget reads at least one block by its bound
+
+
+def min_budget(block_size: int) -> int:
+    """The smallest read budget (tokens) that chooses any block by its bound."""
+    return MIN_READ_BLOCKS * block_size
+
+
+def read_blocks(budget: int | None, block_size: int) -> int:
+    """Blocks a decode with this budget (tokens; None or 0: no budget) reads: 0 for all of them."""
+    return 0 if not budget else budget // block_size
+
+
+def refresh_bounds(kv, slots: torch.Tensor) -> None:
+    """Recompute k_min / k_max of every block these slots fall in, over all of the block's slots."""
+    bs = kv.k.shape[2]
+    blocks = torch.unique(slots // bs)
+    keys = kv.k[blocks]  # [n, kv_heads, bs, d]
+    keys = dequantize(keys, kv.k_scale[blocks], torch.float32) if kv.quantized else keys.float()
+    kv.k_min[blocks] = keys.amin(dim=2)
+    kv.k_max[blocks] = keys.amax(dim=2)
+
+
+def choose_blocks(q: torch.Tensor, kv, table: torch.Tensor, length: int, budget_blocks: int) -> list[torch.Tensor]:
+    """The table indices one decode reads, per kv head (ascending int64 tensors): all of them when the
+    budget covers the sequence, else the sink, the top blocks by Quest's bound, and the recent ones.
+    q: [num_heads, head_dim], already times the softmax scale; table: the sequence's block ids."""
+    bs, kv_heads = kv.k.shape[2], kv.k.shape[1]
+    nb = -(-length // bs)
+    every = torch.arange(nb, device=table.device)
+    if budget_blocks <= 0 or budget_blocks >= nb:
+        return [every] * kv_heads
+    sink = min(SINK_BLOCKS, nb)
+    first_recent = max(sink, nb - RECENT_BLOCKS)
+    top = max(0, budget_blocks - sink - (nb - first_recent))
+    middle = table[sink:first_recent]
+    qg = q.float().view(kv_heads, -1, q.shape[-1])  # [kv_heads, group, d]
+    out = []
+    for h in range(kv_heads):
+        lo, hi = kv.k_min[middle, h], kv.k_max[middle, h]  # [m, d]
+        bound = torch.maximum(qg[h][:, None] * lo[None], qg[h][:, None] * hi[None]).sum(-1)  # [group, m]
+        score = bound.amax(0)
+        order = torch.sort(-score, stable=True).indices[:top]  # ties: the earlier block
+        chosen = torch.sort(order + sink).values
+        out.append(torch.cat([every[:sink], chosen, every[first_recent:]]))
+    return out
