@@ -111,6 +111,21 @@ def rows(results: Path) -> list[tuple[str, str, str, str]]:
         out.append(("Documents reused at any position (the seeds' research direction), planted facts",
                     "EPIC: up to 8x TTFT against CacheBlend (2.2-3.3x against full prefill)",
                     f"full prefill {full['accuracy']:.0%} exact; {got}", "segments"))  # fmt: skip
+    d = _load(results, "read_budget")
+    if d:
+        shape, row = list(d["speed"].items())[-1]  # the longest contexts
+        fid = d["fidelity"]
+
+        def ppl(arm):
+            return f"{fid[arm]['perplexity']:.2f}"
+
+        budgets = [a.split()[1] for a in row if a != "full read"]
+        got = "; ".join(f"{b} tokens: {row[f'budget {b}'] / row['full read']:.2f}x decode, perplexity "
+                        f"{ppl(f'budget {b}')} (StreamingLLM {ppl(f'StreamingLLM {b}')}, H2O {ppl(f'H2O {b}')})"
+                        for b in budgets)  # fmt: skip
+        out.append((f"Attention that reads only the blocks that matter (Quest), {shape} tokens, perplexity at "
+                    f"{d['args']['ppl_context']}", "Quest: 7.03x self-attention, 2.23x end to end at 32k",
+                    f"full read: perplexity {ppl('full read')}; {got}", "read_budget"))  # fmt: skip
     return out
 
 

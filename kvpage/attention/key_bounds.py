@@ -1,10 +1,13 @@
 """A read budget for decode attention: per-block key bounds, and the blocks a query reads (Quest).
 
 Quest (arXiv 2406.10774) keeps, per block and kv head, the elementwise min and max of the block's
-keys. For a query q, sum_d max(q_d * min_d, q_d * max_d) bounds q . k from above for every key k of
-the block, so a decode can read only the blocks whose bound is highest. kvpage does it per
-(sequence, kv head), the task its decode kernel already runs, scoring each block with the group's
-query heads (the max of their bounds) and reading, in table order:
+keys. For a query q, b = sum_d max(q_d * min_d, q_d * max_d) bounds q . k from above for every key k
+of the block, so a decode can read only the blocks whose bound is highest. kvpage does it per
+(sequence, kv head), the task its decode kernel already runs. With grouped-query attention several
+query heads share the kv head, so a block's score is sum over those heads g of exp(b_g - max b_g):
+the most head g's softmax could give the block against its best one, added over the heads (on
+SmolLM2 at 8k and a 512-token budget, perplexity 12.65 against 13.03 for the max of the raw bounds
+and 12.94 for their sum; the full read 11.78). It reads, in table order:
 
     table:  [ b0 | b1 b2 b3 b4 b5 b6 b7 b8 b9 | b10 b11 ]      12 blocks, read_blocks = 6
              sink   top 3 of b1..b9 by bound     recent
@@ -52,6 +55,19 @@ def refresh_bounds(kv, slots: torch.Tensor) -> None:
     kv.k_max[blocks] = keys.amax(dim=2)
 
 
+def quest_bound(terms: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension in the compiled kernel's order (16 running sums, lane i taking
+    d = i mod 16, then added in lane order), so the reference chooses the kernel's blocks bit for bit."""
+    lanes = torch.nn.functional.pad(terms, (0, -terms.shape[-1] % 16)).unflatten(-1, (-1, 16))
+    acc = lanes[..., 0, :]
+    for c in range(1, lanes.shape[-2]):
+        acc = acc + lanes[..., c, :]
+    total = acc[..., 0]
+    for i in range(1, 16):
+        total = total + acc[..., i]
+    return total
+
+
 def choose_blocks(q: torch.Tensor, kv, table: torch.Tensor, length: int, budget_blocks: int) -> list[torch.Tensor]:
     """The table indices one decode reads, per kv head (ascending int64 tensors): all of them when the
     budget covers the sequence, else the sink, the top blocks by Quest's bound, and the recent ones.
@@ -69,8 +85,11 @@ def choose_blocks(q: torch.Tensor, kv, table: torch.Tensor, length: int, budget_
     out = []
     for h in range(kv_heads):
         lo, hi = kv.k_min[middle, h], kv.k_max[middle, h]  # [m, d]
-        bound = torch.maximum(qg[h][:, None] * lo[None], qg[h][:, None] * hi[None]).sum(-1)  # [group, m]
-        score = bound.amax(0)
+        bound = quest_bound(torch.maximum(qg[h][:, None] * lo[None], qg[h][:, None] * hi[None]))  # [group, m]
+        weight = (bound - bound.amax(1, keepdim=True)).exp()
+        score = weight[0]
+        for g in range(1, weight.shape[0]):  # (added head by head, as the kernel adds them)
+            score = score + weight[g]
         order = torch.sort(-score, stable=True).indices[:top]  # ties: the earlier block
         chosen = torch.sort(order + sink).values
         out.append(torch.cat([every[:sink], chosen, every[first_recent:]]))

@@ -43,6 +43,9 @@ class Sequence:
     # the exactly computed KV ends (None: all of it is exact): nothing after it is registered.
     filled: list[tuple[int, int]] = field(default_factory=list)
     exact_upto: int | None = None
+    # Its decodes read within a budget (a request's read_budget): the KV of every generated token saw
+    # only some blocks, so nothing past the prompt is registered (the prompt itself reads in full).
+    budgeted: bool = False
 
     @property
     def index(self) -> int:
@@ -62,6 +65,8 @@ class Sequence:
 
     def cacheable(self, n: int) -> int:
         """Of its first `n` tokens, the leading ones whose KV is exact: what the prefix cache may hold."""
+        if self.budgeted:
+            n = min(n, self.num_prompt_tokens)
         return n if self.exact_upto is None else min(n, self.exact_upto)
 
     @property
@@ -131,7 +136,7 @@ class Request:
             self.eviction = NO_EVICTION
         if not self.sequences:
             ids = list(self.prompt_token_ids)
-            self.sequences.append(Sequence(SeqKey(self.request_id, 0), ids, len(ids)))
+            self.sequences.append(Sequence(SeqKey(self.request_id, 0), ids, len(ids), budgeted=bool(self.read_budget)))
 
     @property
     def live_sequences(self) -> list[Sequence]:

@@ -62,6 +62,7 @@ class LLMEngine:
             parts.scheduler,
         )
         self.remote = parts.remote  # the shared KV tier (--remote-kv), or None
+        self._check_read_budget()
         self.outputs = OutputProcessor(self.tokenizer, max_model_len)
         self.segments = SegmentCompiler()  # prompts of segments held until their segments' KV is cached
         self.sampler = Sampler()  # the generators of every sample, their rows, the draws
@@ -193,6 +194,14 @@ class LLMEngine:
                 self.num_segment_prefill_tokens += len(token_lists[i])
             waits.add(cid)
         return waits
+
+    def _check_read_budget(self) -> None:
+        """The engine's own budget, once the block size is known (a request's is checked as it comes)."""
+        budget, bs = self.config.kv_read_budget, self.kv_cache.block_size
+        if budget and budget < min_budget(bs):
+            raise ValueError(
+                f"kv_read_budget must be at least {min_budget(bs)} tokens (4 blocks of {bs}), got {budget}"
+            )
 
     def _read_budget(self, params, eviction) -> int | None:
         """The request's decode read budget in tokens (its own, else the engine's; None: every block),

@@ -23,6 +23,7 @@ SUITE = {
     "kv_policies": "int8 / fp8 KV and StreamingLLM / H2O: bytes, perplexity, requests in one budget",
     "forward_pass": "the machine's limit: the forward pass against the model's linear layers alone",
     "segments": "documents reused at any position: full prefill, naive reuse, block-LegoLink and CacheBlend",
+    "read_budget": "a decode read budget (Quest): decode tokens/s and fidelity against StreamingLLM and H2O",
 }
 
 

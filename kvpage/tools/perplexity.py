@@ -102,3 +102,47 @@ def perplexity(llm, token_ids: list[int], window: int = 1024, kv_eviction=None) 
     nlls = token_nlls(llm, token_ids, window, kv_eviction)
     nll, count = sum(map(sum, nlls)), sum(map(len, nlls))
     return PerplexityResult(math.exp(nll / count), nll, count, len(nlls))
+
+
+def decode_nlls(
+    model, token_ids: list[int], start: int, read_budget: int | None = None, block_size: int = 16, batch: int = 256
+) -> list[float]:
+    """The negative log-likelihood of token_ids[start + 1:], each predicted by a decode: the first
+    `start` tokens are prefilled, then every later position is fed as a one-token query (teacher
+    forcing: the text's tokens, not sampled ones), `batch` of them per forward as entries sharing one
+    block table (every layer writes the forward's K/V before any entry attends, so entry p sees keys
+    0..p, as its decode would). With `read_budget`, those decodes read within it past the dense
+    layers (attention/key_bounds.py), where a prompt's own forward always reads in full. The model's
+    own attention backend and step path (the fused decode where it applies), in a private cache."""
+    import torch
+
+    from kvpage.core.scheduler_output import ScheduledSequence, SeqKey
+    from kvpage.worker.fused_decode import step_forward
+    from kvpage.worker.input_builder import build_inputs
+    from kvpage.worker.kv_cache import KVCache
+
+    if not 0 < start < len(token_ids) - 1:
+        raise ValueError(f"start must leave a prefix and at least two tokens to decode, got {start}")
+    n, device = len(token_ids), model.norm.weight.device
+    table = list(range(-(-n // block_size)))
+    cache = KVCache(model.config, len(table), block_size, model.norm.weight.dtype, device,
+                    backend=model.attention_backend, key_bounds=True)  # fmt: skip
+    forward, nlls = step_forward(model), []
+
+    def run(entries):
+        inputs = build_inputs(entries, block_size, device)
+        hidden = forward(inputs.input_ids, inputs.positions, cache.layers, inputs.meta)
+        return model.compute_logits(hidden[inputs.logits_index]).float()
+
+    with torch.inference_mode():
+        for c in range(0, start, 2048):  # the prefix, in chunks that bound the attention's memory
+            end = min(start, c + 2048)
+            run([ScheduledSequence(SeqKey("prefix", c), token_ids[c:end], c, table, return_logits=False)])
+        for b in range(start, n - 1, batch):
+            positions = range(b, min(n - 1, b + batch))
+            entries = [ScheduledSequence(SeqKey("decode", p), [token_ids[p]], p, table, read_budget=read_budget)
+                       for p in positions]  # fmt: skip
+            logprobs = torch.log_softmax(run(entries), dim=-1)
+            targets = torch.tensor([token_ids[p + 1] for p in positions], device=device)
+            nlls += (-logprobs.gather(1, targets[:, None])[:, 0]).tolist()
+    return nlls

@@ -140,9 +140,16 @@ class KVCache:
         self._transfer(self.tier_layers, self.layers, pairs)
 
     def layout(self) -> str:
-        """The byte format of one block: each layer's tensors' dtype and per-block shape."""
-        parts = [f"{t.dtype}{tuple(t.shape[1:])}" for t in self.layers[0].tensors()]
-        return f"{len(self.layers)}x[{','.join(parts)}]"
+        """The byte format of one block: each layer's tensors' dtype and per-block shape, runs of equal
+        layers counted (the first layers keep no key bounds where the rest do)."""
+        runs: list[list] = []
+        for layer in self.layers:
+            desc = ",".join(f"{t.dtype}{tuple(t.shape[1:])}" for t in layer.tensors())
+            if runs and runs[-1][1] == desc:
+                runs[-1][0] += 1
+            else:
+                runs.append([1, desc])
+        return "+".join(f"{n}x[{desc}]" for n, desc in runs)
 
     def read_blocks(self, block_ids: list[int]) -> list[bytes]:
         """The bytes of these device blocks (after the step that wrote them)."""

@@ -145,6 +145,9 @@ def test_every_move_of_a_block_carries_its_bounds_and_a_slot_copy_recomputes_the
     per_block = sum(t[0].numel() * t.element_size() for layer in cache.layers for t in layer.tensors())
     assert KVCache.bytes_per_block(cfg, BS, torch.float32, key_bounds=True) == per_block
     assert KVCache.bytes_per_block(cfg, BS, torch.float32) == per_block - 2 * 2 * KVH * D * 4
+    # the shared tier's namespace tells a bounded cache's blocks from a plain one's (other bytes)
+    plain = KVCache(cfg, 2, BS, torch.float32)
+    assert cache.layout() != plain.layout() and cache.layout().count("x[") == 2  # 2 plain layers, 2 bounded
     g = torch.Generator().manual_seed(0)
     for layer in cache.layers[DENSE_LAYERS:]:
         layer.k.copy_(torch.randn(layer.k.shape, generator=g))

@@ -24,6 +24,7 @@ KEYS = {
     "kv_policies": ["rows", "args"],
     "forward_pass": ["rows"],
     "segments": ["rows"],
+    "read_budget": ["speed", "fidelity"],
 }
 
 

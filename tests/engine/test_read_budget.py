@@ -94,6 +94,8 @@ def test_bad_budgets_name_the_field():
         LLM("smollm2", dtype="float32", num_kv_blocks=16, kv_read_budget=-5)
     with pytest.raises(ValueError, match="kv_read_budget"):
         LLM("smollm2", dtype="float32", num_kv_blocks=16, kv_read_budget=64, kv_eviction="streaming")
+    with pytest.raises(ValueError, match="at least 64 tokens"):  # the engine's own, at start
+        LLM("smollm2", dtype="float32", num_kv_blocks=16, kv_read_budget=32)
     plain = LLM("smollm2", dtype="float32", num_kv_blocks=16)
     with pytest.raises(ParameterError, match="keeps no key bounds") as e:
         plain.generate(["hello"], _greedy(256), use_tqdm=False)
@@ -106,3 +108,19 @@ def test_bad_budgets_name_the_field():
         bounded.generate(["hello"], _greedy(64, kv_eviction="streaming:sink_tokens=4,window_tokens=60"),
                          use_tqdm=False)  # fmt: skip
     assert_clean(bounded)
+
+
+def test_tokens_decoded_within_a_budget_are_never_prefix_hits(texts):
+    llm = LLM("smollm2", dtype="float32", num_kv_blocks=160, kv_read_budget=0)
+    prompt = _prompts(llm, texts)[1]  # 300 tokens: 18 full blocks and 12 tokens
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    hits = {}
+    for budget in (0, 64):  # the full read's answer is registered; the budgeted one's is not
+        own = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, kv_read_budget=budget)
+        answer = llm.generate([prompt], own, use_tqdm=False)[0]
+        follow = prompt + list(answer.outputs[0].token_ids) + [13]
+        hits[budget] = llm.generate([follow], params, use_tqdm=False)[0].num_cached_tokens
+        llm.llm_engine.reset_prefix_cache()
+    assert hits[0] >= 352  # the prompt and the full read's 60 tokens: 22 blocks (and a tail)
+    assert hits[64] <= 300  # only the prompt's: nothing decoded within the budget
+    assert_clean(llm)

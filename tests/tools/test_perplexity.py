@@ -65,3 +65,20 @@ def test_bad_windows_are_refused():
     with pytest.raises(ValueError, match="window must be at least 2"):
         windows_of([1, 2, 3], 1)
     assert windows_of([1, 2, 3, 4, 5], 2) == [[1, 2], [3, 4]]
+
+
+def test_decode_nlls_are_the_prompt_logprobs_of_the_same_text_and_a_budget_changes_only_the_decodes(smollm2, tokens):
+    from kvpage.tools.perplexity import decode_nlls, token_nlls
+
+    text = tokens[:420]
+    start = 300
+    llm = make_llm()
+    model = llm.llm_engine.runner.model
+    full = decode_nlls(model, text, start, batch=50)  # three forwards of up to 50 decodes
+    assert len(full) == len(text) - 1 - start
+    prompt = token_nlls(llm, text, window=len(text))[0][start:]  # the same positions, from one prefill
+    assert max(abs(a - b) for a, b in zip(full, prompt, strict=True)) < 1e-3
+    assert decode_nlls(model, text, start, read_budget=4096, batch=50) == full  # a budget covering it all
+    sparse = decode_nlls(model, text, start, read_budget=64, batch=50)
+    assert sparse != full and sum(sparse) / len(sparse) > 0  # 4 of 19-27 blocks read past layer 2
+    assert_clean(llm)

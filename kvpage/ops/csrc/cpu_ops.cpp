@@ -373,20 +373,35 @@ constexpr bool bf16_dots() {
 // in ks / vs, [blocks, kv_heads, block_size]).
 // With `sel` (a read budget, kvpage/attention/key_bounds.py), a sequence whose budget sel.blocks[s] > 0
 // is under its block count reads only some blocks: the first `sink`, the last `recent`, and between
-// them the top by Quest's bound on the group's scores, max over its query heads g of
-// sum_d max(q_gd * kmin_d, q_gd * kmax_d) (per block and kv head, float32 [blocks, kv_heads, D]);
-// ties go to the earlier block. The chosen blocks are attended in table order.
+// them the top by score. Quest's bound of query head g on block j, b_gj = sum_d max(q_gd * kmin_d,
+// q_gd * kmax_d) (key bounds per block and kv head, float32 [blocks, kv_heads, D]), bounds its scores
+// there; the group's score of j is sum_g exp(b_gj - max_j' b_gj'): the most its softmax could give the
+// block against its best one, added over the heads that share the kv head. Ties go to the earlier
+// block. The chosen blocks are attended in table order.
 struct BlockSelect {
   const float* kmin = nullptr;
   const float* kmax = nullptr;
   const int64_t* blocks = nullptr;  // [S] blocks to read per sequence (0: all)
-  int64_t sink = 1, recent = 2;
+  int64_t sink = 1, recent = 2, num_blocks = 0;
 };
+
+// sum_d max(q_d * mn_d, q_d * mx_d) in 16 running sums (lane i takes d = i mod 16), then added in
+// lane order: vectorisable without reordering any float addition, so every build sums the same way.
+inline float quest_bound(const float* q, const float* mn, const float* mx, int64_t D) {
+  float lanes[16] = {0.f};
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16)
+    for (int i = 0; i < 16; ++i) lanes[i] += std::max(q[d + i] * mn[d + i], q[d + i] * mx[d + i]);
+  for (int i = 0; d < D; ++d, ++i) lanes[i] += std::max(q[d] * mn[d], q[d] * mx[d]);
+  float sum = 0.f;
+  for (int i = 0; i < 16; ++i) sum += lanes[i];
+  return sum;
+}
 
 // The table indices j a (sequence, kv head) task reads, in order, into `idx` (scores: a reused buffer).
 inline void choose_blocks(const BlockSelect& sel, int64_t s, int64_t h, int64_t KVH, int64_t G, int64_t D,
                           const float* qf, const int64_t* row, int64_t nb, std::vector<int64_t>& idx,
-                          std::vector<std::pair<float, int64_t>>& scores) {
+                          std::vector<std::pair<float, int64_t>>& scores, std::vector<float>& bound) {
   idx.clear();
   const int64_t want = sel.blocks != nullptr ? sel.blocks[s] : 0;
   if (want <= 0 || want >= nb || sel.kmin == nullptr) {
@@ -395,19 +410,20 @@ inline void choose_blocks(const BlockSelect& sel, int64_t s, int64_t h, int64_t 
   }
   const int64_t sink = std::min(sel.sink, nb), first_recent = std::max(sink, nb - sel.recent);
   const int64_t top = std::max<int64_t>(0, want - sink - (nb - first_recent));
-  scores.clear();
+  const int64_t m = first_recent - sink;
+  bound.resize(G * m);
   for (int64_t j = sink; j < first_recent; ++j) {
+    TORCH_CHECK(row[j] >= 0 && row[j] < sel.num_blocks, "block id ", row[j], " out of range");
     const int64_t off = (row[j] * KVH + h) * D;
-    const float *mn = sel.kmin + off, *mx = sel.kmax + off;
-    float best = -std::numeric_limits<float>::infinity();
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qf + g * D;
-      float acc = 0.f;
-      for (int64_t d = 0; d < D; ++d) acc += std::max(qg[d] * mn[d], qg[d] * mx[d]);
-      best = std::max(best, acc);
-    }
-    scores.emplace_back(best, j);
+    for (int64_t g = 0; g < G; ++g) bound[g * m + j - sink] = quest_bound(qf + g * D, sel.kmin + off, sel.kmax + off, D);
   }
+  scores.assign(m, {0.f, 0});
+  for (int64_t g = 0; g < G && m > 0; ++g) {
+    const float* bg = bound.data() + g * m;
+    const float top = *std::max_element(bg, bg + m);
+    for (int64_t i = 0; i < m; ++i) scores[i].first += std::exp(bg[i] - top);
+  }
+  for (int64_t i = 0; i < m; ++i) scores[i].second = sink + i;
   const int64_t k = std::min<int64_t>(top, static_cast<int64_t>(scores.size()));
   auto better = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
     return a.first > b.first || (a.first == b.first && a.second < b.second);
@@ -447,6 +463,7 @@ void decode_impl(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& v
     std::vector<float> qf(G * D), acc(G * D), m(G), l(G), sc(G * BS), kf, vf;
     std::vector<int64_t> idx;
     std::vector<std::pair<float, int64_t>> bscores;
+    std::vector<float> bounds;
     if constexpr (!std::is_same_v<C, float>) kf.resize(BS * D), vf.resize(BS * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / KVH, h = task % KVH, n = lp[s];
@@ -457,7 +474,7 @@ void decode_impl(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& v
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
-      choose_blocks(sel, s, h, KVH, G, D, qf.data(), btp + s * bts, (n + BS - 1) / BS, idx, bscores);
+      choose_blocks(sel, s, h, KVH, G, D, qf.data(), btp + s * bts, (n + BS - 1) / BS, idx, bscores, bounds);
       const int64_t nidx = static_cast<int64_t>(idx.size());
       for (int64_t u = 0; u < nidx; ++u) {
         const int64_t j = idx[u];
@@ -548,6 +565,7 @@ BlockSelect block_select(const Tensor& q, const Tensor& k_cache, const std::opti
   BlockSelect sel;
   if (!read_blocks.has_value() || !read_blocks->defined() || !k_min.has_value() || !k_min->defined() || k_min->numel() == 0)
     return sel;
+  TORCH_CHECK(k_max.has_value() && k_max->defined(), "key bounds need k_max beside k_min");
   for (const Tensor* t : {&*k_min, &*k_max})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == k_cache.size(0) &&
                     t->size(1) == k_cache.size(1) && t->size(2) == k_cache.size(3),
@@ -557,6 +575,7 @@ BlockSelect block_select(const Tensor& q, const Tensor& k_cache, const std::opti
   TORCH_CHECK(sink >= 0 && recent >= 0, "sink and recent must be >= 0");
   sel.kmin = k_min->data_ptr<float>(), sel.kmax = k_max->data_ptr<float>();
   sel.blocks = read_blocks->data_ptr<int64_t>(), sel.sink = sink, sel.recent = recent;
+  sel.num_blocks = k_cache.size(0);
   return sel;
 }
 

@@ -1,0 +1,48 @@
+"""`kv_read_budget` through the server with the official `openai` client: a request's own budget on a
+server started with `--kv-read-budget`, and a 400 naming the field where it cannot apply."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from kvpage.tools.perplexity import english_corpus
+from tests.server.conftest import assert_pool_free, start_server, stop_server
+
+
+@pytest.fixture(scope="module")
+def bounded():
+    # bounds kept, every block read unless asked; every request cold (a prefix hit rounds otherwise)
+    s = start_server(kv_read_budget=0, num_kv_blocks=96, enable_prefix_caching=False)
+    yield s
+    stop_server(s)
+
+
+def test_a_request_budget_changes_what_decodes_read_and_nothing_else(bounded):
+    client = openai.OpenAI(base_url=bounded.base_url, api_key="unused", max_retries=0)
+    ids = bounded.engine.tokenizer.encode(english_corpus()[:6000])[:700]
+
+    def complete(budget):
+        r = client.completions.create(model="smollm2", prompt=ids, max_tokens=6, temperature=0, logprobs=1,
+                                      extra_body={"ignore_eos": True, "kv_read_budget": budget})  # fmt: skip
+        return r.choices[0].logprobs.token_logprobs
+
+    full, covering, small = complete(0), complete(4096), complete(64)
+    assert covering == full  # a budget over the context reads every block
+    assert small[0] == full[0] and small[1:] != full[1:]  # the prompt's token in full, the decodes within 64
+    chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0, extra_body={"kv_read_budget": 64})  # fmt: skip
+    assert chat.choices[0].message.content
+    for budget, why in ((16, "at least 64 tokens"), (-1, "kv_read_budget")):
+        with pytest.raises(openai.BadRequestError) as e:
+            complete(budget)
+        assert why in str(e.value) and "kv_read_budget" in str(e.value)
+    assert_pool_free(bounded)
+
+
+def test_a_server_without_bounds_refuses_a_budget_by_name(server):
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="smollm2", prompt="Hello", max_tokens=2, extra_body={"kv_read_budget": 256})
+    assert e.value.body["param"] == "kv_read_budget" and "keeps no key bounds" in e.value.body["message"]
+    assert_pool_free(server)
