@@ -49,6 +49,28 @@ def decode_rate(llm: LLM, prompts: list[list[int]], budget: int | None, steps: i
     return len(prompts) * (steps - 1) / (many - one)
 
 
+def figure(plt, speed: dict, fidelity: dict, kind: str, ppl_context: int):
+    """Decode rates per shape and arm; perplexity per arm (the full read's as a line)."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    arms = list(speed[next(iter(speed))])
+    width = 0.8 / len(speed)
+    for i, (shape, row) in enumerate(speed.items()):
+        a.bar([x + i * width for x in range(len(arms))], [row[k] for k in arms], width, label=shape)
+    a.set_xticks([x + width * (len(speed) - 1) / 2 for x in range(len(arms))], arms)
+    a.set(ylabel="decode tokens/s (all sequences)", title=f"decode rate ({kind})")
+    a.legend(fontsize=8)
+    names = list(fidelity)
+    ppl = [fidelity[n]["perplexity"] for n in names]
+    colors = ["tab:gray" if n == "full read" else "tab:purple" if n.startswith("budget") else "tab:olive"
+              for n in names]  # fmt: skip
+    b.bar(names, ppl, color=colors)
+    b.axhline(fidelity["full read"]["perplexity"], color="k", lw=0.8)
+    b.set(ylim=(min(ppl) * 0.95, max(ppl) * 1.02), ylabel=f"perplexity at {ppl_context} tokens",
+          title="fidelity at equal tokens read (purple: budget; olive: evicting)")  # fmt: skip
+    b.tick_params(axis="x", labelrotation=60, labelsize=7)
+    return fig
+
+
 def contexts(ids: list[int], count: int, length: int) -> list[list[int]]:
     """`count` texts of `length` tokens from the corpus, each starting elsewhere (no shared prefix)."""
     stride = max(1, (len(ids) - length) // max(1, count))
@@ -74,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
         args.ppl_context, args.ppl_windows, args.ppl_tokens = 320, 1, 16
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     longest = max([c for _, c in shapes] + [args.context, args.ppl_context])
-    llm = LLM("smollm2", max_model_len=longest + 64, kv_cache_memory="4GiB", kv_read_budget=0)
+    most = max([n * (c + args.decode + 16) for n, c in shapes] + [longest + 64])  # tokens held at once
+    llm = LLM("smollm2", max_model_len=longest + 64, num_kv_blocks=most // 16 + 64, kv_read_budget=0)
     tok, kind = llm.get_tokenizer(), machine()[0]
     dtype = llm.llm_engine.dtype_name
     ids = tok.encode(english_corpus(), add_special_tokens=False)
@@ -125,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     windows = contexts(ids, args.ppl_windows, args.ppl_context)
     start = args.ppl_context - args.ppl_tokens - 1
     model = llm.llm_engine.runner.model
-    chunked = LLM("smollm2", max_model_len=args.ppl_context + 64, max_num_batched_tokens=64, kv_cache_memory="1GiB")
+    chunked = LLM("smollm2", max_model_len=args.ppl_context + 64, max_num_batched_tokens=64,
+                  num_kv_blocks=(args.ppl_context + 64) // 16 + 16)  # fmt: skip
     nll = {}
     for arm, kw in arms.items():
         scores = []
@@ -155,23 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table)
     write_json("read_budget", {"speed": speed, "fidelity": fidelity, "cpu_kind": kind, "args": vars(args)})
 
-    def draw(plt):
-        fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-        arms_s = list(speed[next(iter(speed))])
-        width = 0.8 / len(speed)
-        for i, (shape, row) in enumerate(speed.items()):
-            a.bar([x + i * width for x in range(len(arms_s))], [row[k] for k in arms_s], width, label=shape)
-        a.set_xticks([x + width * (len(speed) - 1) / 2 for x in range(len(arms_s))], arms_s)
-        a.set(ylabel="decode tokens/s (all sequences)", title=f"decode rate ({kind})")
-        a.legend(fontsize=8)
-        names = list(fidelity)
-        b.bar(names, [fidelity[n]["perplexity"] for n in names], color="tab:purple")
-        b.axhline(fidelity["full read"]["perplexity"], color="k", lw=0.8)
-        b.set(ylabel=f"perplexity at {args.ppl_context} tokens", title="fidelity at equal tokens read")
-        b.tick_params(axis="x", labelrotation=60, labelsize=7)
-        return fig
-
-    save_plot("read_budget", draw)
+    save_plot("read_budget", lambda plt: figure(plt, speed, fidelity, kind, args.ppl_context))
     if recording(args):
         body = (f"Plot `benchmarks/results/read_budget.png`. `kv_read_budget` (Quest's per-block key bounds, "
                 "chosen per sequence and kv head inside the compiled decode task; the first two layers, the "
