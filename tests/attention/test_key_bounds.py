@@ -15,7 +15,7 @@ from kvpage.ops import load
 from kvpage.worker.kv_cache import KVCache
 
 BACKENDS = ["torch", "cpu"] if load() else ["torch"]
-CACHES = [(torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.float32, "int8")]
+CACHES = [(torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.float32, "int8"), (torch.float32, "fp8")]
 BS, KVH, H, D, NB = 16, 2, 6, 64, 48
 
 
