@@ -49,3 +49,6 @@ class EngineStats:
     num_kv_verified_blocks: int
     num_kv_mismatches: int
     iteration_tokens: tuple[tuple[int, ...], int, int] = ((), 0, 0)  # StepTokens.frozen()
+    # decodes within a read budget: blocks read (per bounded layer and kv head) and blocks in their contexts
+    budget_blocks_read: int = 0
+    budget_blocks_in_context: int = 0

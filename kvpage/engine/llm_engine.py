@@ -271,7 +271,8 @@ class LLMEngine:
         return EngineStats(self.num_steps, self.kv_manager.stats(), len(sched.running), len(sched.waiting),
                            len(sched.swapped), sched.num_preemptions, self.num_prompt_tokens,
                            self.num_generation_tokens, self.num_kv_verified_blocks, self.num_kv_mismatches,
-                           self.step_tokens.frozen())  # fmt: skip
+                           self.step_tokens.frozen(), self.runner.budget_blocks["read"],
+                           self.runner.budget_blocks["context"])  # fmt: skip
 
     def verify_kv_cache(self, sample: int = 4, seed: int = 0) -> KVVerifyReport:
         """Check the blocks in use (finite, in range) and, in deterministic mode, recompute `sample`

@@ -12,7 +12,8 @@ Names, units, types and meanings follow vLLM's (`vllm:X` is `kvpage:X` here, wit
     kvpage:request_prompt_tokens / request_generation_tokens      histograms, per finished request
 
 kvpage's own, beside them: kvpage:num_requests_swapped, kvpage:kv_cache_blocks{state}, the sharing
-and waste ratios, kvpage:prefix_cache_hit_rate and kvpage:engine_steps. Gauges and counters kept by the
+and waste ratios, kvpage:prefix_cache_hit_rate, kvpage:engine_steps and, for decodes within a read
+budget, kvpage:kv_read_budget_blocks_read / _blocks_in_context. Gauges and counters kept by the
 engine come from the one snapshot it published after its last step (engine/engine_stats.py), read once
 per scrape: a scrape never sees a step half done. The rest are fed with each request output as it
 leaves the engine (engine thread).
@@ -140,6 +141,12 @@ class _EngineCollector:
         yield self._counter("kvpage:generation_tokens", "number of generation tokens processed",
                             snap.num_generation_tokens)  # fmt: skip
         yield self._counter("kvpage:engine_steps", "engine steps run (the step this scrape's state is from)", snap.step)
+        yield self._counter("kvpage:kv_read_budget_blocks_read", "decodes within a kv_read_budget: blocks each "
+                            "read (per layer past the first two and kv head), summed",
+                            snap.budget_blocks_read)  # fmt: skip
+        yield self._counter("kvpage:kv_read_budget_blocks_in_context", "decodes within a kv_read_budget: blocks "
+                            "in their contexts, summed (read / in context: the share read)",
+                            snap.budget_blocks_in_context)  # fmt: skip
 
     def _remote(self, remote, block_size: int):
         rs = remote.stats

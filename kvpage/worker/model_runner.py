@@ -53,6 +53,9 @@ class ModelRunner:
         self.timings = {"copy": 0.0, "prepare": 0.0, "forward": 0.0}  # seconds, summed over steps
         # CacheBlend (selective.py): reused tokens that took part, and those recomputed past its check layer
         self.selective_tokens = {"candidates": 0, "recomputed": 0}
+        # decodes within a read budget (attention/key_bounds.py): the blocks each read per bounded layer
+        # and kv head, and those in its context, summed over such decodes
+        self.budget_blocks = {"read": 0, "context": 0}
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
@@ -80,6 +83,7 @@ class ModelRunner:
             self.selective_tokens["candidates"] += selective.num_candidates
             self.selective_tokens["recomputed"] += selective.num_kept
         logits = self.model.compute_logits(hidden[inputs.logits_index]).float()
+        self._count_budget_blocks(inputs.meta)
         out = ModelRunnerOutput(inputs.logits_seq_ids, logits)
         mass = inputs.meta.block_mass
         if mass is not None:
@@ -101,6 +105,16 @@ class ModelRunner:
         self.timings["prepare"] += t2 - t1
         self.timings["forward"] += t3 - t2
         return out
+
+    def _count_budget_blocks(self, meta) -> None:
+        if meta.read_blocks is None:
+            return
+        bs = meta.block_size
+        for want, n in zip(meta.read_blocks.tolist(), meta.seq_lens_list, strict=True):
+            if want:
+                blocks = -(-n // bs)
+                self.budget_blocks["read"] += min(want, blocks)
+                self.budget_blocks["context"] += blocks
 
     def _write_through(self, step: SchedulerOutput) -> None:
         """The blocks this step wrote, to the shared tier (their KV is complete once the forward ran)."""

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from kvpage.tools.perplexity import english_corpus
-from tests.server.conftest import assert_pool_free, start_server, stop_server
+from tests.server.conftest import assert_pool_free, scrape, start_server, stop_server, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +27,20 @@ def test_a_request_budget_changes_what_decodes_read_and_nothing_else(bounded):
                                       extra_body={"ignore_eos": True, "kv_read_budget": budget})  # fmt: skip
         return r.choices[0].logprobs.token_logprobs
 
-    full, covering, small = complete(0), complete(4096), complete(64)
+    def counters():  # once the engine is idle, its last step's snapshot holds every decode
+        wait_idle(bounded)
+        return scrape(bounded)
+
+    before = counters()
+    full, covering = complete(0), complete(4096)
+    mid = counters()
+    small = complete(64)
+    after = counters()
     assert covering == full  # a budget over the context reads every block
+    read, ctx = "kvpage:kv_read_budget_blocks_read_total", "kvpage:kv_read_budget_blocks_in_context_total"
+    # 5 decodes under each budget of a 700-token prompt: 44-45 blocks each, all read under 4096, 4 under 64
+    assert mid[read] - before[read] == mid[ctx] - before[ctx] == 5 * 44 + 1
+    assert after[read] - mid[read] == 5 * 4 and after[ctx] - mid[ctx] == 5 * 44 + 1
     assert small[0] == full[0] and small[1:] != full[1:]  # the prompt's token in full, the decodes within 64
     chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
                                           max_tokens=4, temperature=0, extra_body={"kv_read_budget": 64})  # fmt: skip
