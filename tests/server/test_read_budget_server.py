@@ -58,3 +58,38 @@ def test_a_server_without_bounds_refuses_a_budget_by_name(server):
         client.completions.create(model="smollm2", prompt="Hello", max_tokens=2, extra_body={"kv_read_budget": 256})
     assert e.value.body["param"] == "kv_read_budget" and "keeps no key bounds" in e.value.body["message"]
     assert_pool_free(server)
+
+
+def test_many_clients_with_budgets_and_an_abort_leave_the_pool_free(bounded):
+    import asyncio
+
+    ids = bounded.engine.tokenizer.encode(english_corpus()[8000:16000])
+    prompts = [ids[i * 150 : i * 150 + 400] for i in range(8)]
+    budgets = [64, 128, 0, 256, 64, 128, 0, 256]
+
+    async def one(client, prompt, budget):
+        r = await client.completions.create(model="smollm2", prompt=prompt, max_tokens=8, temperature=0,
+                                            extra_body={"ignore_eos": True, "kv_read_budget": budget})  # fmt: skip
+        return r.choices[0].text
+
+    async def abandoned(client):  # a stream given up after its first chunk: the engine aborts it
+        stream = await client.completions.create(model="smollm2", prompt=prompts[0], max_tokens=200, stream=True,
+                                                 extra_body={"ignore_eos": True, "kv_read_budget": 64})  # fmt: skip
+        async for _ in stream:
+            break
+        await stream.close()
+
+    async def main(together: bool):
+        async with openai.AsyncOpenAI(base_url=bounded.base_url, api_key="x", max_retries=0) as client:
+            if not together:
+                return [await one(client, p, b) for p, b in zip(prompts, budgets, strict=True)]
+            jobs = [one(client, p, b) for p, b in zip(prompts, budgets, strict=True)]
+            *texts, _ = await asyncio.gather(*jobs, abandoned(client))
+            return texts
+
+    alone = asyncio.run(main(False))
+    aborted = 'kvpage:request_success_total{finished_reason="abort"}'
+    before = scrape(bounded).get(aborted, 0)
+    assert asyncio.run(main(True)) == alone  # float32: a budget's choice is per sequence, whatever the batch
+    assert_pool_free(bounded)
+    assert scrape(bounded)[aborted] == before + 1
