@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from kvpage.attention.kv_quant import dequantize
+from kvpage.errors import ParameterError
 
 SINK_BLOCKS = 1  # the first block of every sequence is always read (StreamingLLM's attention sink)
 RECENT_BLOCKS = 2  # and its last two (the block being written and the one before it)
@@ -38,6 +39,13 @@ MIN_READ_BLOCKS = SINK_BLOCKS + RECENT_BLOCKS + 1  # a budget reads at least one
 def min_budget(block_size: int) -> int:
     """The smallest read budget (tokens) that chooses any block by its bound."""
     return MIN_READ_BLOCKS * block_size
+
+
+def check_budget(budget: int, block_size: int) -> None:
+    """ParameterError naming kv_read_budget unless a (non-zero) budget reaches `min_budget`."""
+    if budget < (lowest := min_budget(block_size)):
+        why = f"the first block, the last {RECENT_BLOCKS} and one chosen, of {block_size} tokens"
+        raise ParameterError("kv_read_budget", f"kv_read_budget must be at least {lowest} tokens ({why}), got {budget}")
 
 
 def read_blocks(budget: int | None, block_size: int) -> int:

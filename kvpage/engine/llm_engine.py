@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from kvpage.attention.key_bounds import RECENT_BLOCKS, min_budget
+from kvpage.attention.key_bounds import check_budget
 from kvpage.config import EngineConfig
 from kvpage.core import CacheStats
 from kvpage.core.kv_events import KVEventLog
@@ -197,11 +197,8 @@ class LLMEngine:
 
     def _check_read_budget(self) -> None:
         """The engine's own budget, once the block size is known (a request's is checked as it comes)."""
-        budget, bs = self.config.kv_read_budget, self.kv_cache.block_size
-        if budget and budget < min_budget(bs):
-            raise ValueError(
-                f"kv_read_budget must be at least {min_budget(bs)} tokens (4 blocks of {bs}), got {budget}"
-            )
+        if self.config.kv_read_budget:
+            check_budget(self.config.kv_read_budget, self.kv_cache.block_size)
 
     def _read_budget(self, params, eviction) -> int | None:
         """The request's decode read budget in tokens (its own, else the engine's; None: every block),
@@ -210,13 +207,11 @@ class LLMEngine:
         budget = self.config.kv_read_budget if own is None else own
         if not budget:
             return None
-        field, bs = "kv_read_budget", self.kv_cache.block_size
+        field = "kv_read_budget"
         if self.config.kv_read_budget is None:
             raise ParameterError(field, "kv_read_budget: this engine keeps no key bounds; start it with "
                                  "kv_read_budget (0 keeps them, reading every block unless asked)")  # fmt: skip
-        if budget < (lowest := min_budget(bs)):
-            why = f"the first block, the last {RECENT_BLOCKS} and one chosen, of {bs} tokens"
-            raise ParameterError(field, f"kv_read_budget must be at least {lowest} tokens ({why}), got {budget}")
+        check_budget(budget, self.kv_cache.block_size)
         if eviction.evicts:
             raise ParameterError(field, f"kv_read_budget does not go with kv_eviction {eviction.describe()}")
         return budget
