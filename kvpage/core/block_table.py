@@ -5,7 +5,8 @@
 
 An entry is HOLE (None) where an eviction policy released the block (core/eviction/): logical
 indices, and the chain of digests, keep their meaning; only full blocks before the last can be
-holes. The table also remembers the chain digests of its leading full blocks (as far as they were
+holes. A hole whose block was demoted rather than dropped is tagged in `demoted` with the lower
+precision and the block of that precision's pool that holds it now (eviction/windows.py). The table also remembers the chain digests of its leading full blocks (as far as they were
 hashed) and how many of them were offered to the prefix cache; `on_cpu` says which pool its block
 ids index (the GPU pool, or the CPU swap pool after a swap-out).
 
@@ -39,6 +40,8 @@ class BlockTable:
     block_hashes: list[bytes] = field(default_factory=list)  # chain digests of leading full blocks
     num_registered: int = 0  # leading blocks already offered to the prefix cache
     on_cpu: bool = False
+    # logical index -> (precision, block id in that precision's pool): holes kept at a lower precision
+    demoted: dict[int, tuple[str, int]] = field(default_factory=dict)
 
     @property
     def resident(self) -> list[int]:
@@ -84,10 +87,12 @@ class BlockTable:
             cache_salt=self.cache_salt,
             block_hashes=self.block_hashes[:num_blocks],
             num_registered=min(self.num_registered, num_blocks),
+            demoted={i: d for i, d in self.demoted.items() if i < num_blocks},
         )
 
     def remap(self, mapping: dict[int, int], *, on_cpu: bool) -> None:
-        """Point the resident entries at other blocks (a swap), holes staying holes."""
+        """Point the resident entries at other blocks (a swap), holes staying holes (demoted blocks
+        stay in their precision's pool)."""
         self.block_ids = [None if b is None else mapping[b] for b in self.block_ids]
         self.on_cpu = on_cpu
         self.num_registered = 0  # fresh GPU blocks get registered again

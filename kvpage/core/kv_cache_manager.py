@@ -13,6 +13,7 @@ What the scheduler calls (plain data in, plain data out):
     step  = prepare_step(seq_id, token_ids, upto, slots) -> StepBlocks: slots, sinks, registration, table
     finish_step([(seq_id, num_computed, mass), ...])  /  fail_step()     the step ran / failed
     swap_out / can_swap_in / swap_in (seq_ids),  fork(parent, child),  free(seq_id),  take_tier_transfers()
+    take_demotions()                                     blocks a policy demoted, for the next step's worker
     hits = hold_segments(token_ids, segments)           a prompt of segments: their cached blocks held,
     fills = fill_segments(seq_id, segments, hits, k)     then copied
 
@@ -23,7 +24,7 @@ matters (hashing a full block). A table grows one block at a time; nothing is re
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvpage.core.admission import Admission, AdmissionStatus, BlockBudget
@@ -52,6 +53,7 @@ class StepBlocks:
     num_evicted: int  # tokens missing before that table (whole blocks)
     copies: list[tuple[int, int]]  # copy-on-write of a shared last block
     rotations: list[tuple[int, int, int]]  # StreamingLLM sink copies to rotate (src, dst, positions)
+    cold_blocks: list[tuple[str, int]]  # demoted blocks attention reads too: (precision, block id)
 
 
 class KVCacheManager:
@@ -66,6 +68,7 @@ class KVCacheManager:
         bytes_per_block: int = 0,  # what one block costs (kv_bytes.py), for CacheStats; 0: not known
         num_tier_blocks: int = 0,  # the CPU tier of the prefix cache (prefix caching only)
         remote: RemoteTier | None = None,  # the shared tier below it (its blocks land in the CPU tier)
+        cold_blocks: Mapping[str, int] | None = None,  # pools of lower precisions, for demoting policies
     ) -> None:
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
@@ -73,7 +76,7 @@ class KVCacheManager:
         self.budget = BlockBudget(self.pool, block_size, watermark)
         self.prefix = PrefixRegistry(self.pool, block_size, num_tier_blocks, remote)
         self.swap = SwapSpace(num_cpu_blocks, self.pool)
-        self.eviction = EvictionWindows(self.pool, block_size)
+        self.eviction = EvictionWindows(self.pool, block_size, cold_blocks)
         self._tables: dict[SeqId, BlockTable] = {}
         # read-only views of what the components own
         self.prefix_cache, self.enable_prefix_caching = self.pool.prefix_cache, self.prefix.enabled
@@ -148,6 +151,11 @@ class KVCacheManager:
         """The scheduled step failed: forget the blocks registered for it. Call before freeing the
         step's sequences."""
         self.prefix.discard(self._tables.values())
+
+    def take_demotions(self) -> list[tuple[str, int, str, int]]:
+        """Blocks demoted since the last step: (src precision, src block, dst precision, dst block),
+        "hot" naming this pool; the worker copies them before anything else in the next step."""
+        return self.eviction.take_demotions()
 
     def take_tier_transfers(self) -> TierTransfers:
         """The step's tier transfers: (pool, tier) offloads, (tier, payload) blocks fetched from the
@@ -283,7 +291,7 @@ class KVCacheManager:
         rotations = self.eviction.prepare_sinks(seq_id, table)
         self.cache_blocks(seq_id, token_ids, computed_after)
         view, num_evicted = self.eviction.attention_view(seq_id, table)
-        return StepBlocks(view, num_evicted, copies, rotations)
+        return StepBlocks(view, num_evicted, copies, rotations, self.eviction.cold_view(table))
 
     def finish_step(self, computed: Sequence[tuple[SeqId, int, Sequence[float] | None]]) -> None:
         """The step ran: commit its registrations, then let each sequence's eviction policy release
@@ -380,7 +388,7 @@ class KVCacheManager:
                 raise IndexError(f"{num_computed} computed tokens for a sequence of {table.num_tokens} slots")
             self.prefix.register_tail(table, token_ids, num_computed)
         del self._tables[seq_id]
-        copies = self.eviction.close(seq_id)
+        copies = self.eviction.close(seq_id, table)
         if table.on_cpu:
             self.swap.free(table)
         else:

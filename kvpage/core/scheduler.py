@@ -183,6 +183,7 @@ class Scheduler(Intake):
                 self._admit(budget, out)
         out.failed = list(self._failed.items())
         self._failed.clear()
+        out.demotions = self.kv.take_demotions()
         tiers = self.kv.take_tier_transfers()
         out.offload, out.fetched, out.restore, out.write_through = (tiers.offload, tiers.fetched, tiers.restore,
                                                                      tiers.write_through)  # fmt: skip
@@ -249,6 +250,7 @@ class Scheduler(Intake):
                     # generated tokens only: a prompt's last token computed alone (after a prefix hit)
                     # reads in full, as it would inside its prompt's chunk
                     read_budget=req.read_budget if start >= seq.num_prompt_tokens else None,
+                    cold_blocks=step.cold_blocks,
                 )
             )
         self._in_flight.add(req.request_id)

@@ -3,7 +3,9 @@
 SchedulerOutput
   sequences: the tokens to compute for each sequence, where they go, what to return
   copies:    (src, dst) GPU block copies to perform first (copy-on-write)
-  offload:   (gpu, tier) copies of evicted prefix blocks into the CPU tier: first of all
+  demotions: (src precision, src, dst precision, dst): blocks an eviction policy demoted to a lower
+             precision after the last step ("hot": the cache's own pool), re-quantized, first of all
+  offload:   (gpu, tier) copies of evicted prefix blocks into the CPU tier: after those
   fetched:   (tier, payload): blocks fetched from the shared tier (remote_tier.py) into the CPU tier: second
   restore:   (tier, gpu) copies of prefix hits on the CPU tier back into fresh GPU blocks: third
   swap_out:  (gpu, cpu) block copies, before the step; swap_in: (cpu, gpu) block copies
@@ -48,6 +50,9 @@ class ScheduledSequence:
     # A read budget (attention/key_bounds.py): a decode of this sequence reads at most this many
     # tokens' blocks in the layers that keep key bounds, chosen by them. None: every block.
     read_budget: int | None = None
+    # Demoted blocks (core/eviction/): attention also reads these, after the table's, (precision,
+    # block id in that precision's pool); H2O's mass comes back for them after the table's entries.
+    cold_blocks: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def kv_len(self) -> int:
@@ -71,6 +76,7 @@ class SchedulerOutput:
     write_through: list[tuple[int, bytes, tuple[int, ...]]] = field(default_factory=list)
     rotations: list[tuple[int, int, int]] = field(default_factory=list)
     slot_copies: list[tuple[int, int, int, int]] = field(default_factory=list)
+    demotions: list[tuple[str, int, str, int]] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
 
     @property
@@ -83,5 +89,5 @@ class SchedulerOutput:
         return bool(
             self.sequences or self.copies or self.swap_out or self.swap_in or self.offload or self.restore
             or self.fetched or self.write_through
-            or self.rotations or self.slot_copies
+            or self.rotations or self.slot_copies or self.demotions
         )  # fmt: skip

@@ -3,6 +3,7 @@ per-sequence windows the KV-cache manager keeps for them (windows.py)."""
 
 from kvpage.core.eviction.policies import (
     H2O,
+    Demote,
     NO_EVICTION,
     EvictionPolicy,
     NoEviction,
@@ -11,4 +12,4 @@ from kvpage.core.eviction.policies import (
 )
 from kvpage.core.eviction.windows import EvictionWindows
 
-__all__ = ["H2O", "NO_EVICTION", "EvictionPolicy", "EvictionWindows", "NoEviction", "StreamingLLM", "parse_eviction"]
+__all__ = ["H2O", "Demote", "NO_EVICTION", "EvictionPolicy", "EvictionWindows", "NoEviction", "StreamingLLM", "parse_eviction"]
