@@ -6,8 +6,9 @@
 An entry is HOLE (None) where an eviction policy released the block (core/eviction/): logical
 indices, and the chain of digests, keep their meaning; only full blocks before the last can be
 holes. A hole whose block was demoted rather than dropped is tagged in `demoted` with the lower
-precision and the block of that precision's pool that holds it now (eviction/windows.py). The table also remembers the chain digests of its leading full blocks (as far as they were
-hashed) and how many of them were offered to the prefix cache; `on_cpu` says which pool its block
+precision and the block of that precision's pool that holds it now (eviction/windows.py). The
+table also remembers the chain digests of its leading full blocks (as far as they were hashed) and
+how many of them were offered to the prefix cache; `on_cpu` says which pool its block
 ids index (the GPU pool, or the CPU swap pool after a swap-out).
 
 `grow` appends slots (copy-on-write included); `check_tables` checks tables against their pools.

@@ -3,8 +3,8 @@ per-sequence windows the KV-cache manager keeps for them (windows.py)."""
 
 from kvpage.core.eviction.policies import (
     H2O,
-    Demote,
     NO_EVICTION,
+    Demote,
     EvictionPolicy,
     NoEviction,
     StreamingLLM,
@@ -12,4 +12,5 @@ from kvpage.core.eviction.policies import (
 )
 from kvpage.core.eviction.windows import EvictionWindows
 
-__all__ = ["H2O", "Demote", "NO_EVICTION", "EvictionPolicy", "EvictionWindows", "NoEviction", "StreamingLLM", "parse_eviction"]
+__all__ = ["H2O", "NO_EVICTION", "Demote", "EvictionPolicy", "EvictionWindows", "NoEviction", "StreamingLLM",
+           "parse_eviction"]  # fmt: skip

@@ -34,7 +34,6 @@ from kvpage.core.block_table import HOLE, BlockTable
 from kvpage.core.eviction.policies import EvictionPolicy
 from kvpage.core.invariants import InvariantError, check
 
-
 _EMPTY = BlockPool(0, 1)  # a precision without a pool: never a free block
 
 
