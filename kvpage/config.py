@@ -211,6 +211,7 @@ class EngineConfig:
             raise ValueError(f"kv_read_budget must be an integer >= 0 (tokens; 0: every block), got {v!r}")
         if v and self.kv_eviction.evicts:
             raise ValueError(f"kv_read_budget does not go with kv_eviction {self.kv_eviction.describe()}")
+        check_ladder(self.kv_eviction, self.kv_cache_dtype)
         self._check_deterministic()
 
     def _check_deterministic(self) -> None:
@@ -228,7 +229,7 @@ class EngineConfig:
             (self.dtype in ("float16", "fp16", "half"),
              f"dtype={self.dtype!r}: the kernels compute float32 and bfloat16"),
             (self.kv_eviction.wants_mass,
-             "kv_eviction h2o: its attention mass takes the torch path"),
+             f"kv_eviction {self.kv_eviction.name}: its attention mass takes the torch path"),
         ]  # fmt: skip
         for clash, why in clashes:
             if clash:
@@ -259,3 +260,13 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+
+def check_ladder(policy: EvictionPolicy, kv_cache_dtype: str) -> None:
+    """A demoting policy demotes only to precisions below the cache's own: over an int8 / fp8 cache
+    its int8 rung would save nothing (ValueError naming the field)."""
+    if kv_cache_dtype != "auto" and getattr(policy, "int8_tokens", 0):
+        raise ValueError(
+            f"kv_eviction.int8_tokens must be 0 with kv_cache_dtype={kv_cache_dtype!r}: "
+            "blocks are demoted only to precisions below the cache's own"
+        )

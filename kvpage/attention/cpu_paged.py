@@ -59,7 +59,8 @@ class CpuPagedBackend(TorchReferenceBackend):
         self._bounds(kv.k, kv.k_scale, kv.k_min, kv.k_max, slots)
 
     def decodes(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
-        if not _kernel_reads(kv, q.dtype) or meta.block_mass is not None:  # H2O's mass: reference path
+        if not _kernel_reads(kv, q.dtype) or meta.block_mass is not None or meta.cold_tables is not None:
+            # H2O's mass, demoted blocks: the reference path
             return super().decodes(out, q, kv, meta, scale)
         n = meta.num_decodes
         budget = (kv.k_min, kv.k_max, meta.read_blocks) if kv.bounded and meta.read_blocks is not None else ()
@@ -67,7 +68,8 @@ class CpuPagedBackend(TorchReferenceBackend):
 
     def prefill_chunk(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> None:
         m, n = q.shape[0], meta.seq_lens_list[i]
-        wants_mass = meta.block_mass is not None and meta.want_mass[i]
+        explicit = meta.block_mass is not None and meta.want_mass[i]  # H2O's mass
+        wants_mass = explicit or bool(meta.cold_tables and meta.cold_tables[i])  # or demoted blocks
         limit = self.decode_chunks_up_to
         as_decodes = limit is None or (m < n and m <= limit)
         if not _kernel_reads(kv, q.dtype) or not as_decodes or wants_mass:

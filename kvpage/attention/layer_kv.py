@@ -5,6 +5,11 @@ is quantized (int8 / fp8, see kv_quant.py), their scales, [num_blocks, num_kv_he
 float32: one per token and kv head. The scales are indexed by block like the values, so whatever
 moves a block (copy-on-write, swap) moves them too. So are the key bounds of a layer that keeps them
 (a read budget, key_bounds.py): k_min / k_max [num_blocks, kv_heads, head_dim] float32.
+
+A layer of an engine whose eviction policy demotes blocks (core/eviction: Demote) also carries the
+same layer of each lower precision's pool in `cold` ({"int8": LayerKV, "int4": Int4KV}), so the
+attention backend reads a sequence's demoted blocks beside its table's (AttentionMetadata.cold_tables).
+Every store answers `put` (write whole blocks from float32) and `dequantized` (read them back).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpage.attention.kv_quant import STORAGE, dequantize
+from kvpage.attention.kv_quant import STORAGE, dequantize, quantize
 from kvpage.core.kv_bytes import QUANTIZED_KV_DTYPES
 
 
@@ -30,6 +35,8 @@ class LayerKV:
     # float32), kept where a read budget may choose blocks by them (key_bounds.py); None elsewhere
     k_min: torch.Tensor | None = None
     k_max: torch.Tensor | None = None
+    # the pools of demoted blocks of this layer, by precision (core/eviction: Demote); None: none
+    cold: dict | None = None
 
     @property
     def quantized(self) -> bool:
@@ -60,6 +67,21 @@ class LayerKV:
             return (dequantize(k, self.k_scale[b, :, o], torch.float32),
                     dequantize(v, self.v_scale[b, :, o], torch.float32))  # fmt: skip
         return k.float(), v.float()
+
+    def dequantized(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of whole blocks `ids`, float32 [n, kv_heads, block_size, head_dim] (reference layout)."""
+        k, v = self.k[ids], self.v[ids]
+        if self.quantized:
+            return dequantize(k, self.k_scale[ids], torch.float32), dequantize(v, self.v_scale[ids], torch.float32)
+        return k.float(), v.float()
+
+    def put(self, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Blocks `ids` = k, v (float32 [n, kv_heads, block_size, head_dim]), quantized if the layer is."""
+        if self.quantized:
+            (self.k[ids], self.k_scale[ids]), (self.v[ids], self.v_scale[ids]) = (
+                quantize(k, self.kv_dtype), quantize(v, self.kv_dtype))  # fmt: skip
+        else:
+            self.k[ids], self.v[ids] = k.to(self.k.dtype), v.to(self.v.dtype)
 
     @classmethod
     def allocate(cls, shape: tuple[int, ...], dtype: torch.dtype, kv_dtype: str, device, pin: bool = False) -> LayerKV:

@@ -16,6 +16,10 @@ block_mass (H2O): when some sequence wants it, [num_seqs, max_blocks] float32 th
 attention adds the softmax mass every block of the table received to (summed over heads and the
 sequence's queries); the reference path computes it, rows that do not want it may stay zero.
 
+cold_tables (blocks demoted to a lower precision, core/eviction: Demote): when some sequence has
+them, per sequence its (precision, block id) list, read from `LayerKV.cold` after its table's
+blocks (all full, all before its queries); cold_mass [num_seqs, max_cold] is their H2O mass.
+
 read_blocks (a read budget, key_bounds.py): when some decode has one, [num_seqs] int64, the blocks
 each decode reads in the layers that keep key bounds (0: all of them; prefill chunks always 0).
 """
@@ -44,6 +48,8 @@ class AttentionMetadata:
     want_mass: list[bool] = field(default_factory=list)
     block_mass: torch.Tensor | None = None
     read_blocks: torch.Tensor | None = None
+    cold_tables: list[list[tuple[str, int]]] | None = None
+    cold_mass: torch.Tensor | None = None
     _groups: list[tuple[torch.Tensor, int, torch.Tensor]] | None = field(default=None, repr=False)
     _query_start: torch.Tensor | None = field(default=None, repr=False)
 
@@ -94,6 +100,7 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         want_mass: list[bool] | None = None,
         read_budgets: list[int | None] | None = None,
+        cold_tables: list[list[tuple[str, int]]] | None = None,
     ) -> AttentionMetadata:
         """From plain lists. Decodes (query length 1) must come first. `read_budgets`: tokens each
         sequence's decode may read (None: all), applied to decodes only."""
@@ -118,6 +125,9 @@ class AttentionMetadata:
             key_bounds.read_blocks(b, block_size) if i < num_decodes else 0 for i, b in enumerate(read_budgets or [])
         ]
         reads = torch.tensor(budgets, dtype=torch.int64, device=device) if any(budgets) else None
+        cold = [list(c) for c in cold_tables] if cold_tables and any(cold_tables) else None
+        cold_width = max(map(len, cold)) if cold else 0
+        cold_mass = torch.zeros(len(query_lens), cold_width, device=device) if cold and any(want) else None
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             block_tables=torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(padded), width),
@@ -129,4 +139,6 @@ class AttentionMetadata:
             want_mass=want,
             block_mass=mass,
             read_blocks=reads,
+            cold_tables=cold,
+            cold_mass=cold_mass,
         )

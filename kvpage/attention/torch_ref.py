@@ -15,6 +15,11 @@ longest chunk): a chunk with no earlier context uses its fresh K/V with a causal
 cached context gathers its keys and masks by position. A quantized cache (int8 / fp8) is quantized
 as it is written and dequantized as it is gathered, in float32 then the compute dtype.
 
+A sequence with demoted blocks (AttentionMetadata.cold_tables; core/eviction: Demote) is attended
+explicitly, decode or chunk alike (`_explicit`): its demoted blocks, dequantized from their pools
+(`LayerKV.cold`), join its table's keys ahead of them, unmasked (all precede its queries), and the
+softmax mass each received goes to `cold_mass`.
+
 H2O's attention mass (AttentionMetadata.block_mass) comes from here: decodes sum the probabilities
 they compute anyway per block; a prefill chunk that wants it is attended with explicit scores
 instead of the fused SDPA, which does not return them.
@@ -94,6 +99,10 @@ class TorchReferenceBackend:
         """out[:num_decodes] = attention of the first num_decodes queries (one token each)."""
         if meta.read_blocks is not None and kv.bounded:
             return self._decodes_within_budget(out, q, kv, meta, scale)
+        if meta.cold_tables is not None:  # some sequence reads demoted blocks: one at a time
+            for i in range(meta.num_decodes):
+                self._explicit(out[i : i + 1], q[i : i + 1], None, None, kv, meta, i, scale)
+            return
         for rows, max_len, bias in meta.decode_groups:
             out[rows] = self._decode_group(q[rows], rows, max_len, bias, kv, meta, scale)
 
@@ -129,8 +138,8 @@ class TorchReferenceBackend:
     def prefill_chunk(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> None:
         """out = attention of the chunk's queries (sequence i, its last len(q) positions)."""
         n = meta.seq_lens_list[i]
-        if meta.block_mass is not None and meta.want_mass[i]:
-            return self._chunk_with_mass(out, q, k, v, kv, meta, i, scale)
+        if (meta.block_mass is not None and meta.want_mass[i]) or (meta.cold_tables and meta.cold_tables[i]):
+            return self._explicit(out, q, k, v, kv, meta, i, scale)
         # 4-D inputs ([1, heads, tokens, d]): torch's fused CPU kernel takes those, and is 3-4x
         # faster than the generic path that 3-D inputs fall back to.
         qi = q.transpose(0, 1)[None]
@@ -146,8 +155,10 @@ class TorchReferenceBackend:
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
         out.copy_(o[0].transpose(0, 1))
 
-    def _chunk_with_mass(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> None:
-        """Explicit attention of a prefill chunk, adding each block's softmax mass to block_mass[i]."""
+    def _explicit(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> None:
+        """Explicit attention of sequence i's queries (a prefill chunk, or one decode with k = v = None)
+        over its demoted blocks, if any, then its table's keys; each block's softmax mass is added to
+        block_mass[i] (and cold_mass[i]) when it wants it."""
         m, n, bs = q.shape[0], meta.seq_lens_list[i], meta.block_size
         if m == n:
             keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, n, d]
@@ -155,17 +166,37 @@ class TorchReferenceBackend:
             table = meta.block_tables[i]
             keys = gather_kv(kv.k, table, n, kv.k_scale, q.dtype)
             values = gather_kv(kv.v, table, n, kv.v_scale, q.dtype)
+        cold = meta.cold_tables[i] if meta.cold_tables else []
+        if cold:
+            ck, cv = self._cold_kv(kv, cold, q.dtype)
+            keys, values = torch.cat((ck, keys), 1), torch.cat((cv, values), 1)
+        c = len(cold) * bs  # the demoted keys come first, visible to every query
         kv_heads, d = keys.shape[0], keys.shape[2]
         group = q.shape[1] // kv_heads
         qh = q.view(m, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * m, d)
-        scores = torch.bmm(qh, keys.transpose(1, 2)).float().mul_(scale).view(kv_heads, group, m, n)
-        visible = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - m, n, device=q.device)[:, None]
+        scores = torch.bmm(qh, keys.transpose(1, 2)).float().mul_(scale).view(kv_heads, group, m, c + n)
+        visible = torch.arange(-c, n, device=q.device)[None, :] <= torch.arange(n - m, n, device=q.device)[:, None]
         probs = scores.masked_fill_(~visible, float("-inf")).softmax(-1)
-        nb = cdiv(n, bs)
-        per_token = F.pad(probs.sum((0, 1, 2)), (0, nb * bs - n))
-        meta.block_mass[i, :nb] += per_token.view(nb, bs).sum(-1)  # type: ignore[index]
-        o = torch.bmm(probs.view(kv_heads, group * m, n).to(q.dtype), values)
+        if meta.block_mass is not None and meta.want_mass[i]:
+            nb = cdiv(n, bs)
+            per_token = probs.sum((0, 1, 2))
+            meta.block_mass[i, :nb] += F.pad(per_token[c:], (0, nb * bs - n)).view(nb, bs).sum(-1)
+            if cold:
+                meta.cold_mass[i, : len(cold)] += per_token[:c].view(len(cold), bs).sum(-1)  # type: ignore[index]
+        o = torch.bmm(probs.view(kv_heads, group * m, c + n).to(q.dtype), values)
         out.copy_(o.view(kv_heads, group, m, d).permute(2, 0, 1, 3).reshape(m, -1, d))
+
+    @staticmethod
+    def _cold_kv(kv: LayerKV, cold: list[tuple[str, int]], dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The demoted blocks' K and V, in the order listed, dequantized: [kv_heads, blocks x bs, d] each."""
+        heads, bs, d = kv.k.shape[1], kv.k.shape[2], kv.k.shape[3]
+        k = torch.empty(len(cold), heads, bs, d, device=kv.k.device)
+        v = torch.empty_like(k)
+        for precision in {p for p, _ in cold}:
+            rows = [j for j, (p, _) in enumerate(cold) if p == precision]
+            ids = torch.tensor([cold[j][1] for j in rows], dtype=torch.int64, device=kv.k.device)
+            k[rows], v[rows] = kv.cold[precision].dequantized(ids)  # type: ignore[index]
+        return (k.transpose(0, 1).reshape(heads, -1, d).to(dtype), v.transpose(0, 1).reshape(heads, -1, d).to(dtype))
 
     def _gather(self, name: str, cache_head: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """cache_head[blocks] ([num_blocks, bs, d] view of one kv head) into a reused, contiguous buffer."""

@@ -85,7 +85,8 @@ class TritonPagedBackend(TorchReferenceBackend):
         )  # fmt: skip
 
     def decodes(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
-        if not _covered(kv) or meta.block_mass is not None or (meta.read_blocks is not None and kv.bounded):
+        if (not _covered(kv) or meta.block_mass is not None or meta.cold_tables is not None
+                or (meta.read_blocks is not None and kv.bounded)):  # fmt: skip
             return super().decodes(out, q, kv, meta, scale)  # (a read budget: the reference's selection)
         n = meta.num_decodes
         num_kv_heads, block_size, d = kv.k.shape[1:]
@@ -115,7 +116,7 @@ class TritonPagedBackend(TorchReferenceBackend):
         first, count = meta.num_decodes, meta.num_seqs - meta.num_decodes
         if count == 0:
             return
-        wants_mass = meta.block_mass is not None and any(meta.want_mass[first:])
+        wants_mass = (meta.block_mass is not None and any(meta.want_mass[first:])) or meta.cold_tables is not None
         if not _covered(kv) or wants_mass:
             return super().prefills(out, q, k, v, kv, meta, scale)
         num_kv_heads, block_size, d = kv.k.shape[1:]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(slots=True, frozen=True)
@@ -29,6 +29,11 @@ class CacheStats:
     tier_cached_blocks: int = 0  # tier blocks holding a copy of an evicted prefix block
     tier_hit_tokens: int = 0  # of prefix_hit_tokens, those brought back from the CPU tier
     evicted_tokens: int = 0  # tokens whose blocks eviction policies released (StreamingLLM, H2O), so far
+    # a demoting policy's pools per precision (core/eviction: Demote): blocks in use, of all, and
+    # blocks demoted into each so far
+    demoted_used_blocks: dict[str, int] = field(default_factory=dict)
+    demoted_total_blocks: dict[str, int] = field(default_factory=dict)
+    demotions: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -65,7 +70,7 @@ class CacheStats:
 
 
 def collect_stats(pool, cpu_pool, prefix_cache, tier, bytes_per_block: int, *, logical_blocks: int, num_seqs: int,
-                  num_swapped_seqs: int, evicted_tokens: int) -> CacheStats:  # fmt: skip
+                  num_swapped_seqs: int, evicted_tokens: int, cold=None, demotions=None) -> CacheStats:  # fmt: skip
     """The snapshot, from the components' O(1) counters (the block pools, the prefix cache's
     query / hit counts, the CPU tier) and the manager's per-table sums."""
     used = pool.num_used
@@ -93,4 +98,7 @@ def collect_stats(pool, cpu_pool, prefix_cache, tier, bytes_per_block: int, *, l
         tier_cached_blocks=tier.num_cached if tier else 0,
         tier_hit_tokens=tier.num_hit_tokens if tier else 0,
         evicted_tokens=evicted_tokens,
+        demoted_used_blocks={p: c.num_used for p, c in (cold or {}).items()},
+        demoted_total_blocks={p: c.num_total for p, c in (cold or {}).items()},
+        demotions={p: (demotions or {}).get(p, 0) for p in cold or {}},
     )

@@ -11,6 +11,11 @@ bfloat16's 128, so a pool of the same bytes holds 1.88x the blocks of bfloat16, 
 A cache that keeps key bounds for a read budget (kvpage/attention/key_bounds.py) adds, per block, in
 each of its `bounded_layers`, a float32 min and max per kv head and head_dim: 2 x kv_heads x head_dim x 4
 bytes (SmolLM2, 16-token blocks of bfloat16: 12.5% more per block in those layers).
+
+A block demoted to a lower precision (core/eviction: Demote) lives in that precision's pool:
+int8 as the int8 cache holds it; int4 in KIVI's layout (kvpage/attention/int4_kv.py), half a byte
+a value plus float16 scale and minimum per channel of K and per token of V:
+    per layer: kv_heads x (block_size x head_dim + 4 x head_dim + 4 x block_size) bytes
 """
 
 from __future__ import annotations
@@ -35,3 +40,15 @@ def kv_bytes_per_block(
 ) -> int:
     bounds = 2 * bounded_layers * kv_heads * head_dim * 4
     return kv_bytes_per_token(layers, kv_heads, head_dim, kv_dtype) * block_size + bounds
+
+
+DEMOTED_DTYPES = ("int8", "int4")  # the precisions a block may be demoted to, highest first
+
+
+def demoted_bytes_per_block(layers: int, kv_heads: int, head_dim: int, precision: str, block_size: int) -> int:
+    """What one block costs in a demoted precision's pool."""
+    if precision == "int4":
+        return layers * kv_heads * (block_size * head_dim + 4 * head_dim + 4 * block_size)
+    if precision == "int8":
+        return kv_bytes_per_block(layers, kv_heads, head_dim, "int8", block_size)
+    raise ValueError(f"unknown demoted precision {precision!r}; known: {', '.join(DEMOTED_DTYPES)}")

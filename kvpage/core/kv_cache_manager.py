@@ -421,7 +421,8 @@ class KVCacheManager:
         logical = sum(len(t.block_ids) - t.num_holes for t in self._tables.values() if not t.on_cpu)
         return collect_stats(self.pool, self.swap.pool, self.prefix.cache, self.prefix.tier, self.bytes_per_block,
                              logical_blocks=logical, num_seqs=on_gpu, num_swapped_seqs=len(self._tables) - on_gpu,
-                             evicted_tokens=self.eviction.num_evicted_tokens)  # fmt: skip
+                             evicted_tokens=self.eviction.num_evicted_tokens, cold=self.eviction.cold,
+                             demotions=self.eviction.num_demoted)  # fmt: skip
 
     def memory_map(self) -> MemoryMap:
         """Every block's state and every block table (memory_map.py), for the dashboard."""

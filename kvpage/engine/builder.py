@@ -1,5 +1,6 @@
 """Building an engine from its config: the dtype chosen, the model loaded, the KV pool sized (on
-CUDA after a profiling forward), max_model_len checked against it, and every component made.
+CUDA after a profiling forward; beside it, for a demoting kv_eviction, a pool per lower precision),
+max_model_len checked against it, and every component made.
 
 `LLMEngine` (llm_engine.py) takes the parts and only steps; nothing here runs a request.
 """
@@ -12,6 +13,7 @@ import torch
 
 from kvpage.config import EngineConfig
 from kvpage.core import KVCacheManager
+from kvpage.core.block import cdiv
 from kvpage.core.remote_tier import RemoteTier
 from kvpage.core.scheduler import Scheduler
 from kvpage.kvstore import open_store
@@ -83,16 +85,18 @@ def build_engine(config: EngineConfig) -> EngineParts:
     bounds = config.kv_read_budget is not None  # the key bounds a read budget chooses blocks by
     per_block = KVCache.bytes_per_block(loaded.config, block_size, dtype, config.kv_cache_dtype, bounds)
     num_blocks, note = _num_blocks(config, loaded, dtype, per_block)
+    num_blocks, cold = _demoted_pools(config, loaded.config, per_block, num_blocks)
     num_cpu_blocks = int(config.swap_space) // per_block
     num_tier_blocks = int(config.cpu_offload_memory) // per_block
     max_model_len = _max_model_len(config, loaded.config.max_position_embeddings, num_blocks, block_size)
     kv_cache = KVCache(loaded.config, num_blocks, block_size, dtype, config.device, num_cpu_blocks,
-                       config.kv_cache_dtype, num_tier_blocks, backend=backend, key_bounds=bounds)  # fmt: skip
+                       config.kv_cache_dtype, num_tier_blocks, backend=backend, key_bounds=bounds,
+                       cold_blocks=cold)  # fmt: skip
     remote = _remote_tier(config, loaded, dtype_name, kv_cache) if config.remote_kv else None
     kv_manager = KVCacheManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                 enable_prefix_caching=config.enable_prefix_caching, watermark=config.watermark,
                                 bytes_per_block=per_block, num_tier_blocks=num_tier_blocks,
-                                remote=remote)  # fmt: skip
+                                remote=remote, cold_blocks=cold)  # fmt: skip
     scheduler = Scheduler(kv_manager, max_num_seqs=config.max_num_seqs,
                           max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                           preemption_mode=config.preemption_mode)  # fmt: skip
@@ -127,6 +131,28 @@ def _num_blocks(config: EngineConfig, loaded, dtype: torch.dtype, per_block: int
     if note:
         note += f" = {num_blocks} blocks of {config.block_size} tokens ({per_block} bytes each)"
     return num_blocks, note
+
+
+def _demoted_pools(config: EngineConfig, cfg: ModelConfig, per_block: int, num_blocks: int) -> tuple[int, dict]:
+    """The pools of a demoting kv_eviction (core/eviction: Demote): the memory is shared out as whole
+    sequences' worth, each its hot blocks (heavy hitters, window and the block being filled) and its
+    quota of each lower precision. With num_kv_blocks the hot pool is as asked and the others are
+    sized beside it for as many sequences. Returns (hot blocks, {precision: blocks})."""
+    policy, bs = config.kv_eviction, config.block_size
+    if not policy.ladder:
+        return num_blocks, {}
+    hot, *lower = policy.quotas(bs)  # type: ignore[attr-defined]
+    hot += cdiv(policy.recent_tokens, bs) + 1  # type: ignore[attr-defined]
+    cost = {p: KVCache.demoted_bytes_per_block(cfg, bs, p) for p in policy.ladder}
+    if config.num_kv_blocks is not None:
+        units = max(1, num_blocks // hot)
+        return num_blocks, {p: units * q for p, q in zip(policy.ladder, lower, strict=True)}
+    memory = num_blocks * per_block
+    units = memory // (hot * per_block + sum(q * cost[p] for p, q in zip(policy.ladder, lower, strict=True)))
+    if units < 1:
+        raise ValueError(f"kv_cache_memory={memory} bytes holds not one sequence's worth of {policy.describe()}")
+    cold = {p: units * q for p, q in zip(policy.ladder, lower, strict=True)}
+    return (memory - sum(n * cost[p] for p, n in cold.items())) // per_block, cold
 
 
 def _max_model_len(config: EngineConfig, context: int, num_blocks: int, block_size: int) -> int:

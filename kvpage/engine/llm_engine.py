@@ -22,7 +22,7 @@ import time
 import torch
 
 from kvpage.attention.key_bounds import check_budget
-from kvpage.config import EngineConfig
+from kvpage.config import EngineConfig, check_ladder
 from kvpage.core import CacheStats
 from kvpage.core.kv_events import KVEventLog
 from kvpage.core.request import Request, Sequence
@@ -134,8 +134,15 @@ class LLMEngine:
         eviction = self.config.kv_eviction if own is None else own
         if self.config.deterministic and eviction.wants_mass:
             raise ValueError(
-                "kv_eviction: h2o does not go with deterministic=True (its attention mass takes the torch path)"
+                f"kv_eviction: {eviction.name} does not go with deterministic=True "
+                "(its attention mass takes the torch path)"
             )
+        if eviction.ladder and not self.kv_manager.eviction.cold:
+            raise ValueError(
+                f"kv_eviction: {eviction.describe()} needs an engine started with a demoting kv_eviction "
+                "(its pools per precision are sized at start)"
+            )
+        check_ladder(eviction, self.config.kv_cache_dtype)
         if spans and eviction.evicts:
             raise ValueError(f"kv_eviction: {eviction.describe()} does not go with a prompt of segments")
         read_budget = self._read_budget(params, eviction)

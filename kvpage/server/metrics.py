@@ -111,6 +111,17 @@ class _EngineCollector:
         tier.add_metric([model, "cached"], st.tier_cached_blocks)
         tier.add_metric([model, "total"], st.tier_total_blocks)
         yield tier
+        if st.demoted_total_blocks:  # a demoting kv_eviction's pools per precision
+            used = GaugeMetricFamily("kvpage:kv_demoted_blocks", "blocks of the demoted pools by precision and state",
+                                     labels=["model_name", "precision", "state"])  # fmt: skip
+            moves = CounterMetricFamily("kvpage:kv_demotions", "blocks demoted into each precision",
+                                        labels=["model_name", "precision"])  # fmt: skip
+            for p, n in st.demoted_total_blocks.items():
+                used.add_metric([model, p, "used"], st.demoted_used_blocks[p])
+                used.add_metric([model, p, "total"], n)
+                moves.add_metric([model, p], st.demotions[p])
+            yield used
+            yield moves
         if self.engine.remote is not None:
             yield from self._remote(self.engine.remote, st.block_size)
         for name, value in (("running", snap.num_running), ("waiting", snap.num_waiting),

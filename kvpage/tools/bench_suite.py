@@ -24,6 +24,7 @@ SUITE = {
     "forward_pass": "the machine's limit: the forward pass against the model's linear layers alone",
     "segments": "documents reused at any position: full prefill, naive reuse, block-LegoLink and CacheBlend",
     "read_budget": "a decode read budget (Quest): decode tokens/s and fidelity against StreamingLLM and H2O",
+    "demotion": "blocks demoted to int8 / int4 instead of dropped, at equal memory against H2O and StreamingLLM",
 }
 
 

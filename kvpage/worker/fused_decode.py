@@ -53,7 +53,8 @@ class FusedDecode:
 
     def run(self, x, cos, sin, kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor | None:
         """The final-norm hidden states [T, hidden] of a pure decode step, or None if it does not apply."""
-        if meta.num_decodes != meta.num_seqs or meta.block_mass is not None or not self.applies_to(self.model):
+        explicit = meta.block_mass is not None or meta.cold_tables is not None  # H2O's mass, demoted blocks
+        if meta.num_decodes != meta.num_seqs or explicit or not self.applies_to(self.model):
             return None
         if x.dtype not in KERNEL_DTYPES:
             return None

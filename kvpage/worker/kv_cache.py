@@ -12,6 +12,10 @@ so copy-on-write, swap and every other move of a block carry them with it, bit f
 holds for the key bounds a read budget chooses blocks by (attention/key_bounds.py), kept past the
 first DENSE_LAYERS layers when `key_bounds`; a slot copy (segments, sink rotation) recomputes them.
 
+An engine whose eviction policy demotes blocks (core/eviction: Demote) also holds, per layer, a pool
+of each lower precision (`cold_blocks`: {"int8": n, "int4": m}), hung on the layer as `LayerKV.cold`
+so attention reads them; `demote` moves blocks down (read as float32, quantized into the new pool).
+
 For the shared tier (core/remote_tier.py) a block travels as bytes: every layer's tensors' slices of
 it, in order (`read_blocks`), written back into CPU-tier blocks by `land`; `layout()` names that
 format, so only caches of the same layout exchange blocks.
@@ -22,11 +26,12 @@ from __future__ import annotations
 import torch
 
 from kvpage.attention.backend import AttentionBackend
+from kvpage.attention.int4_kv import Int4KV
 from kvpage.attention.key_bounds import DENSE_LAYERS, refresh_bounds
 from kvpage.attention.kv_quant import dequantize, quantize
 from kvpage.attention.layer_kv import LayerKV
 from kvpage.attention.torch_ref import TorchReferenceBackend
-from kvpage.core.kv_bytes import kv_bytes_per_block
+from kvpage.core.kv_bytes import demoted_bytes_per_block, kv_bytes_per_block
 from kvpage.models.config import ModelConfig
 
 
@@ -50,6 +55,7 @@ class KVCache:
         num_tier_blocks: int = 0,
         backend: AttentionBackend | None = None,  # whose layout the blocks take (default: the reference's)
         key_bounds: bool = False,  # keep per-block key bounds past the dense layers (a read budget)
+        cold_blocks: dict[str, int] | None = None,  # pools of demoted blocks per precision (Demote)
     ) -> None:
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype
@@ -66,6 +72,12 @@ class KVCache:
         self.layers = pool(num_blocks, device)
         self.cpu_layers = pool(num_cpu_blocks, "cpu", pin)
         self.tier_layers = pool(num_tier_blocks, "cpu", pin)  # the CPU tier of the prefix cache
+        for precision, n in (cold_blocks or {}).items():
+            for layer in self.layers:
+                shape = (n, cfg.num_kv_heads, block_size, cfg.head_dim)
+                store = (Int4KV.allocate(*shape, device) if precision == "int4"
+                         else LayerKV.allocate(shape, dtype, precision, device))  # fmt: skip
+                layer.cold = {**(layer.cold or {}), precision: store}
 
     @staticmethod
     def bytes_per_block(
@@ -75,6 +87,10 @@ class KVCache:
         bounded = max(0, cfg.num_layers - DENSE_LAYERS) if key_bounds else 0
         return kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, name, block_size, bounded)
 
+    @staticmethod
+    def demoted_bytes_per_block(cfg: ModelConfig, block_size: int, precision: str) -> int:
+        return demoted_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, precision, block_size)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: device block src -> device block dst, every layer (scales included)."""
         if not pairs:
@@ -83,6 +99,27 @@ class KVCache:
         for layer in self.layers:
             for t in layer.tensors():
                 t.index_copy_(0, dst, t.index_select(0, src))
+
+    def demote(self, moves: list[tuple[str, int, str, int]]) -> None:
+        """(src precision, src block, dst precision, dst block), "hot" naming the cache's own pool:
+        each source read as float32 and written, quantized, into its destination, every layer. All
+        sources are read before any destination is written (a move may free a block a later move of
+        the same step writes: core/eviction/windows.py)."""
+        if not moves:
+            return
+        device = self.layers[0].k.device
+        for layer in self.layers:
+            stores = {"hot": layer, **(layer.cold or {})}
+            k = torch.empty(len(moves), *layer.k.shape[1:3], self.layers[0].k.shape[3], device=device)
+            v = torch.empty_like(k)
+            for precision in {m[0] for m in moves}:
+                rows = [j for j, m in enumerate(moves) if m[0] == precision]
+                ids = torch.tensor([moves[j][1] for j in rows], dtype=torch.int64, device=device)
+                k[rows], v[rows] = stores[precision].dequantized(ids)
+            for precision in {m[2] for m in moves}:
+                rows = [j for j, m in enumerate(moves) if m[2] == precision]
+                ids = torch.tensor([moves[j][3] for j in rows], dtype=torch.int64, device=device)
+                stores[precision].put(ids, k[rows], v[rows])
 
     def rotate_blocks(self, rotations: list[tuple[int, int, int]], inv_freq: torch.Tensor) -> None:
         """(src, dst, positions): dst's keys = src's keys rotated by `positions` more (RoPE, the

@@ -61,6 +61,7 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
         kv = self.kv_cache
         t0 = time.perf_counter()
+        kv.demote(step.demotions)  # blocks an eviction policy demoted: their sources may be reused below
         kv.offload(step.offload)  # evicted prefix blocks to the CPU tier, before they are reused
         kv.land(step.fetched)  # blocks fetched from the shared tier, into the CPU tier
         kv.restore(step.restore)  # CPU-tier hits into their new blocks
@@ -89,9 +90,12 @@ class ModelRunner:
         if mass is not None:
             cfg = self.model.config
             per = mass / (cfg.num_layers * cfg.num_heads)
+            cold = inputs.meta.cold_mass
+            cold = cold / (cfg.num_layers * cfg.num_heads) if cold is not None else None
             for row, s in enumerate(inputs.sequences):
-                if s.want_mass:
-                    out.attention_mass[s.seq_id] = per[row, : len(s.block_table)].tolist()
+                if s.want_mass:  # the table's entries, then the demoted blocks (read in that order)
+                    out.attention_mass[s.seq_id] = per[row, : len(s.block_table)].tolist() + (
+                        cold[row, : len(s.cold_blocks)].tolist() if cold is not None else [])  # fmt: skip
         start = 0
         for s in inputs.sequences:
             end = start + len(s.token_ids)

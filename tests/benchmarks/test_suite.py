@@ -25,6 +25,7 @@ KEYS = {
     "forward_pass": ["rows"],
     "segments": ["rows"],
     "read_budget": ["speed", "fidelity"],
+    "demotion": ["rows", "budgets", "cost"],
 }
 
 

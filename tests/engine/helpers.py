@@ -32,5 +32,6 @@ def assert_clean(llm: LLM) -> None:
     engine.scheduler.check_invariants()
     st = llm.cache_stats()
     assert st.used_blocks == 0 and st.cpu_used_blocks == 0 and st.free_blocks == st.total_blocks
+    assert all(p.num_free == p.num_total for p in engine.kv_manager.eviction.cold.values())  # demoted blocks
     sched = engine.scheduler
     assert not sched.running and not sched.waiting and not sched.swapped and not sched.requests

@@ -85,6 +85,7 @@ def assert_pool_free(s, headers: dict | None = None) -> None:
     s.engine.kv_manager.check_invariants()
     st = s.engine.cache_stats()
     assert st.used_blocks == 0 and st.free_blocks == st.total_blocks
+    assert st.demoted_used_blocks == dict.fromkeys(st.demoted_total_blocks, 0)  # a demoting server's pools
     assert not s.engine.has_unfinished_requests()
     deadline = time.monotonic() + 5  # the metrics forget a request once its end has been seen
     while s.metrics.tracked and time.monotonic() < deadline:
