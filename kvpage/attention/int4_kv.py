@@ -51,12 +51,13 @@ class Int4KV:
     v_min: torch.Tensor
 
     @classmethod
-    def allocate(cls, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, device) -> Int4KV:
+    def allocate(cls, num_blocks: int, kv_heads: int, block_size: int, head_dim: int, device,
+                 pin: bool = False) -> Int4KV:  # fmt: skip
         if head_dim % 2:
             raise ValueError(f"an int4 pool needs an even head_dim, got {head_dim}")
 
         def zeros(*shape, dtype=torch.float16):
-            return torch.zeros(num_blocks, kv_heads, *shape, dtype=dtype, device=device)
+            return torch.zeros(num_blocks, kv_heads, *shape, dtype=dtype, device=device, pin_memory=pin)
 
         half = head_dim // 2
         return cls(zeros(block_size, half, dtype=torch.uint8), zeros(block_size, half, dtype=torch.uint8),
@@ -66,13 +67,16 @@ class Int4KV:
         return [self.k, self.v, self.k_scale, self.k_min, self.v_scale, self.v_min]
 
     def put(self, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Blocks `ids` = k, v (float32 [n, kv_heads, block_size, head_dim], every slot written)."""
+        """Blocks `ids` = k, v (float32 [n, kv_heads, block_size, head_dim], every slot written; from
+        any device: the CPU-tier rung's pool is in host memory)."""
+        ids, k, v = (t.to(self.k.device) for t in (ids, k, v))
         qk, self.k_scale[ids], self.k_min[ids] = _quantize(k.float(), 2)  # per channel, over the tokens
         qv, self.v_scale[ids], self.v_min[ids] = _quantize(v.float(), 3)  # per token, over the channels
         self.k[ids], self.v[ids] = _pack(qk), _pack(qv)
 
     def dequantized(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of blocks `ids`, float32 [n, kv_heads, block_size, head_dim]."""
+        """K and V of blocks `ids`, float32 [n, kv_heads, block_size, head_dim], on the pool's device."""
+        ids = ids.to(self.k.device)
         k = _unpack(self.k[ids]).float() * self.k_scale[ids].float()[:, :, None] + self.k_min[ids].float()[:, :, None]
         v = _unpack(self.v[ids]).float() * self.v_scale[ids].float()[..., None] + self.v_min[ids].float()[..., None]
         return k, v

@@ -195,7 +195,8 @@ class TorchReferenceBackend:
         for precision in {p for p, _ in cold}:
             rows = [j for j, (p, _) in enumerate(cold) if p == precision]
             ids = torch.tensor([cold[j][1] for j in rows], dtype=torch.int64, device=kv.k.device)
-            k[rows], v[rows] = kv.cold[precision].dequantized(ids)  # type: ignore[index]
+            ks, vs = kv.cold[precision].dequantized(ids)  # type: ignore[index]  # (the "cpu" rung: host memory)
+            k[rows], v[rows] = ks.to(k.device), vs.to(k.device)
         return (k.transpose(0, 1).reshape(heads, -1, d).to(dtype), v.transpose(0, 1).reshape(heads, -1, d).to(dtype))
 
     def _gather(self, name: str, cache_head: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ bytes (SmolLM2, 16-token blocks of bfloat16: 12.5% more per block in those layer
 
 A block demoted to a lower precision (core/eviction: Demote) lives in that precision's pool:
 int8 as the int8 cache holds it; int4 in KIVI's layout (kvpage/attention/int4_kv.py), half a byte
-a value plus float16 scale and minimum per channel of K and per token of V:
+a value plus float16 scale and minimum per channel of K and per token of V (the "cpu" rung holds
+the same int4 blocks in host memory):
     per layer: kv_heads x (block_size x head_dim + 4 x head_dim + 4 x block_size) bytes
 """
 
@@ -42,12 +43,12 @@ def kv_bytes_per_block(
     return kv_bytes_per_token(layers, kv_heads, head_dim, kv_dtype) * block_size + bounds
 
 
-DEMOTED_DTYPES = ("int8", "int4")  # the precisions a block may be demoted to, highest first
+DEMOTED_DTYPES = ("int8", "int4", "cpu")  # the rungs a block may be demoted to; "cpu": int4 in host memory
 
 
 def demoted_bytes_per_block(layers: int, kv_heads: int, head_dim: int, precision: str, block_size: int) -> int:
     """What one block costs in a demoted precision's pool."""
-    if precision == "int4":
+    if precision in ("int4", "cpu"):
         return layers * kv_heads * (block_size * head_dim + 4 * head_dim + 4 * block_size)
     if precision == "int8":
         return kv_bytes_per_block(layers, kv_heads, head_dim, "int8", block_size)

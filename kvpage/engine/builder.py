@@ -136,23 +136,25 @@ def _num_blocks(config: EngineConfig, loaded, dtype: torch.dtype, per_block: int
 def _demoted_pools(config: EngineConfig, cfg: ModelConfig, per_block: int, num_blocks: int) -> tuple[int, dict]:
     """The pools of a demoting kv_eviction (core/eviction: Demote): the memory is shared out as whole
     sequences' worth, each its hot blocks (heavy hitters, window and the block being filled) and its
-    quota of each lower precision. With num_kv_blocks the hot pool is as asked and the others are
-    sized beside it for as many sequences. Returns (hot blocks, {precision: blocks})."""
+    quota of each lower precision; the CPU-tier rung ("cpu") is host memory, outside the budget. With
+    num_kv_blocks the hot pool is as asked and the others are sized beside it for as many sequences.
+    Returns (hot blocks, {precision: blocks}), a rung without a quota left out."""
     policy, bs = config.kv_eviction, config.block_size
     if not policy.ladder:
         return num_blocks, {}
     hot, *lower = policy.quotas(bs)  # type: ignore[attr-defined]
     hot += cdiv(policy.recent_tokens, bs) + 1  # type: ignore[attr-defined]
-    cost = {p: KVCache.demoted_bytes_per_block(cfg, bs, p) for p in policy.ladder}
+    quota = {p: q for p, q in zip(policy.ladder, lower, strict=True) if q}
+    on_device = {p: KVCache.demoted_bytes_per_block(cfg, bs, p) for p in quota if p != "cpu"}
     if config.num_kv_blocks is not None:
         units = max(1, num_blocks // hot)
-        return num_blocks, {p: units * q for p, q in zip(policy.ladder, lower, strict=True)}
+        return num_blocks, {p: units * q for p, q in quota.items()}
     memory = num_blocks * per_block
-    units = memory // (hot * per_block + sum(q * cost[p] for p, q in zip(policy.ladder, lower, strict=True)))
+    units = memory // (hot * per_block + sum(quota[p] * c for p, c in on_device.items()))
     if units < 1:
         raise ValueError(f"kv_cache_memory={memory} bytes holds not one sequence's worth of {policy.describe()}")
-    cold = {p: units * q for p, q in zip(policy.ladder, lower, strict=True)}
-    return (memory - sum(n * cost[p] for p, n in cold.items())) // per_block, cold
+    cold = {p: units * q for p, q in quota.items()}
+    return (memory - sum(cold[p] * c for p, c in on_device.items())) // per_block, cold
 
 
 def _max_model_len(config: EngineConfig, context: int, num_blocks: int, block_size: int) -> int:

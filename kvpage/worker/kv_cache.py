@@ -13,7 +13,8 @@ holds for the key bounds a read budget chooses blocks by (attention/key_bounds.p
 first DENSE_LAYERS layers when `key_bounds`; a slot copy (segments, sink rotation) recomputes them.
 
 An engine whose eviction policy demotes blocks (core/eviction: Demote) also holds, per layer, a pool
-of each lower precision (`cold_blocks`: {"int8": n, "int4": m}), hung on the layer as `LayerKV.cold`
+of each lower precision (`cold_blocks`: {"int8": n, "int4": m, "cpu": c}; "cpu" holds int4 blocks
+in host memory, the CPU-tier rung), hung on the layer as `LayerKV.cold`
 so attention reads them; `demote` moves blocks down (read as float32, quantized into the new pool).
 
 For the shared tier (core/remote_tier.py) a block travels as bytes: every layer's tensors' slices of
@@ -75,8 +76,11 @@ class KVCache:
         for precision, n in (cold_blocks or {}).items():
             for layer in self.layers:
                 shape = (n, cfg.num_kv_heads, block_size, cfg.head_dim)
-                store = (Int4KV.allocate(*shape, device) if precision == "int4"
-                         else LayerKV.allocate(shape, dtype, precision, device))  # fmt: skip
+                if precision == "int8":
+                    store = LayerKV.allocate(shape, dtype, precision, device)
+                else:  # int4 on the device, or the CPU-tier rung's int4 in host memory
+                    store = Int4KV.allocate(*shape, device, False) if precision == "int4" else \
+                        Int4KV.allocate(*shape, "cpu", pin)  # fmt: skip
                 layer.cold = {**(layer.cold or {}), precision: store}
 
     @staticmethod
@@ -115,7 +119,8 @@ class KVCache:
             for precision in {m[0] for m in moves}:
                 rows = [j for j, m in enumerate(moves) if m[0] == precision]
                 ids = torch.tensor([moves[j][1] for j in rows], dtype=torch.int64, device=device)
-                k[rows], v[rows] = stores[precision].dequantized(ids)
+                ks, vs = stores[precision].dequantized(ids)
+                k[rows], v[rows] = ks.to(device), vs.to(device)
             for precision in {m[2] for m in moves}:
                 rows = [j for j, m in enumerate(moves) if m[2] == precision]
                 ids = torch.tensor([moves[j][3] for j in rows], dtype=torch.int64, device=device)

@@ -16,7 +16,7 @@ BS = 16
 
 def test_the_policy_places_blocks_down_its_ladder_by_score_and_never_up():
     p = Demote(hot_tokens=16, int8_tokens=16, int4_tokens=32, recent_tokens=32)
-    assert p.quotas(BS) == (1, 1, 2) and p.budget_tokens(BS) == 48 and p.chunk_tokens(BS) == 32
+    assert p.quotas(BS) == (1, 1, 2, 0) and p.budget_tokens(BS) == 48 and p.chunk_tokens(BS) == 32
     scores = [5.0, 0.1, 3.0, 0.2, 9.0, 1.0, 9.0, 9.0]
     # 128 tokens: blocks 0..5 are outside the recent window (tokens 96..127); by score 0 stays hot,
     # 2 goes to int8, 5 and 3 to int4, 1 and 4... 4 is the heaviest: it stays hot, 0 goes to int8
@@ -91,6 +91,20 @@ def test_a_demoted_block_leaves_a_tagged_hole_and_its_move_is_queued():
     kv.check_invariants()
     assert kv.stats().used_blocks == 0
     assert all(pool.num_free == pool.num_total for pool in kv.eviction.cold.values())
+
+
+def test_the_cpu_tier_rung_is_the_last_before_dropping():
+    kv = KVCacheManager(16, BS, watermark=0.0, cold_blocks={"int4": 1, "cpu": 2})
+    policy = Demote(hot_tokens=0, int8_tokens=0, int4_tokens=16, recent_tokens=16, cpu_tokens=32)
+    assert policy.ladder == ("int8", "int4", "cpu") and "cpu_tokens=32" in policy.describe()
+    kv.allocate_slots("a", 80, policy=policy)
+    assert kv.evict("a", 80, [4.0, 3.0, 2.0, 1.0, 0.0]) == 1  # 4 old blocks: int4, cpu, cpu, dropped
+    assert kv._table("a").demoted == {0: ("int4", 0), 1: ("cpu", 0), 2: ("cpu", 1)}
+    assert kv.take_demotions() == [("hot", 0, "int4", 0), ("hot", 1, "cpu", 0), ("hot", 2, "cpu", 1)]
+    kv.check_invariants()
+    kv.free("a")
+    kv.check_invariants()
+    assert parse_eviction("demote:cpu_tokens=64") == Demote(cpu_tokens=64)
 
 
 def test_moves_run_lowest_first_so_a_freed_block_is_read_before_it_is_reused():

@@ -14,7 +14,7 @@ from kvpage.core.eviction import H2O, Demote
 from kvpage.tools.perplexity import english_corpus, token_nlls
 from tests.engine.helpers import assert_clean, greedy, make_llm, make_pressed_llm
 
-DEMOTE = Demote(hot_tokens=64, int8_tokens=128, int4_tokens=256, recent_tokens=64)
+DEMOTE = Demote(hot_tokens=64, int8_tokens=128, int4_tokens=256, recent_tokens=64, cpu_tokens=256)
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +56,8 @@ def test_demoted_blocks_keep_the_perplexity_within_the_quantization_gates(llm, t
     assert demoted["int8"] > before.get("int8", 0) + 40 and demoted["int4"] > before.get("int4", 0) + 40
     assert abs(all_int8 / full - 1) < 0.01  # int8 per token: within 1% (amx, float32: +0.03%)
     assert abs(all_int4 / full - 1) < 0.05  # int4, KIVI's layout: within 5% (amx: -0.1%)
+    # the CPU-tier rung holds the same int4 blocks in host memory: the same bits
+    assert _ppl(llm, text, Demote(64, 0, 0, 64, cpu_tokens=1024))[0] == all_int4
     assert ladder < full * 1.10 and h2o > ladder * 1.15  # amx: 11.32 vs full 10.96, H2O 14.04
     assert_clean(llm)
 
@@ -63,7 +65,7 @@ def test_demoted_blocks_keep_the_perplexity_within_the_quantization_gates(llm, t
 def test_every_pool_stays_bounded_while_a_sequence_grows_far_past_them(llm, text):
     engine = llm.llm_engine
     kv = engine.kv_manager
-    peaks = {"hot": 0, "int8": 0, "int4": 0}
+    peaks = {"hot": 0, "int8": 0, "int4": 0, "cpu": 0}
     step = engine.step
 
     def recording_step():
@@ -79,8 +81,8 @@ def test_every_pool_stays_bounded_while_a_sequence_grows_far_past_them(llm, text
     finally:
         engine.step = step
     assert len(out.outputs[0].token_ids) == 100
-    # heavy (4) + window (4) + a 64-token chunk (4) + a partial block; int8 and int4 quotas exactly
-    assert peaks["hot"] <= 4 + 4 + 4 + 1 and peaks["int8"] == 8 and peaks["int4"] == 16
+    # heavy (4) + window (4) + a 64-token chunk (4) + a partial block; the other rungs' quotas exactly
+    assert peaks["hot"] <= 4 + 4 + 4 + 1 and (peaks["int8"], peaks["int4"], peaks["cpu"]) == (8, 16, 16)
     assert_clean(llm)
 
 

@@ -26,8 +26,10 @@ any), and the attention backends see only the blocks that remain (windows.py: `a
         attention mass, with a ladder below the heavy hitters: the best `hot_tokens` stay in the
         cache's precision, the next `int8_tokens` are kept in int8 (per token scales, as the int8
         cache), the next `int4_tokens` in int4 (KIVI's layout: keys per channel, values per token),
-        the rest dropped. A block only ever moves down (a demoted copy cannot be made exact again);
-        when a precision's pool is full, a block goes one rung lower. Positions as H2O's.
+        the next `cpu_tokens` in int4 in host memory (the CPU tier rung: on a GPU it frees device
+        memory; on a CPU device it is the same RAM, so it saves nothing there), the rest dropped.
+        A block only ever moves down (a demoted copy cannot be made exact again); when a
+        precision's pool is full, a block goes one rung lower. Positions as H2O's.
 
 A block is evicted only when it is full and not the last: the window always keeps at least
 `window_tokens` (`recent_tokens`) tokens, rounded up to whole blocks. Releasing a block drops this
@@ -199,14 +201,15 @@ class Demote(_Bounded):
     int8_tokens: int = 512
     int4_tokens: int = 1024
     recent_tokens: int = 256
+    cpu_tokens: int = 0
     name = "demote"
     wants_mass = True  # ranked by attention mass, as H2O
     reposition = False
     unbounded = False
-    ladder = ("int8", "int4")  # level 1 and 2; level 0 is the cache's own precision
+    ladder = ("int8", "int4", "cpu")  # levels 1, 2, 3; level 0 is the cache's own precision
 
     def __post_init__(self) -> None:
-        for f in ("hot_tokens", "int8_tokens", "int4_tokens"):
+        for f in ("hot_tokens", "int8_tokens", "int4_tokens", "cpu_tokens"):
             _positive_int(f"kv_eviction.{f}", getattr(self, f), 0)
         _positive_int("kv_eviction.recent_tokens", self.recent_tokens, 1)
 
@@ -215,8 +218,9 @@ class Demote(_Bounded):
         return (cdiv(self.hot_tokens, block_size) + cdiv(self.recent_tokens, block_size)) * block_size
 
     def quotas(self, block_size: int) -> tuple[int, ...]:
-        """Blocks per sequence at each level outside the window: hot, int8, int4."""
-        return tuple(cdiv(t, block_size) for t in (self.hot_tokens, self.int8_tokens, self.int4_tokens))
+        """Blocks per sequence at each level outside the window: hot, int8, int4, cpu."""
+        levels = (self.hot_tokens, self.int8_tokens, self.int4_tokens, self.cpu_tokens)
+        return tuple(cdiv(t, block_size) for t in levels)
 
     def sink_blocks(self, block_size: int) -> int:
         return 0
@@ -242,7 +246,8 @@ class Demote(_Bounded):
 
     def describe(self) -> str:
         return (f"demote(hot_tokens={self.hot_tokens}, int8_tokens={self.int8_tokens}, "
-                f"int4_tokens={self.int4_tokens}, recent_tokens={self.recent_tokens})")  # fmt: skip
+                f"int4_tokens={self.int4_tokens}, recent_tokens={self.recent_tokens}"
+                + (f", cpu_tokens={self.cpu_tokens})" if self.cpu_tokens else ")"))  # fmt: skip
 
 
 _KINDS: dict[str, type] = {"streaming": StreamingLLM, "streamingllm": StreamingLLM, "h2o": H2O, "demote": Demote}
