@@ -212,6 +212,9 @@ class EngineConfig:
         if v and self.kv_eviction.evicts:
             raise ValueError(f"kv_read_budget does not go with kv_eviction {self.kv_eviction.describe()}")
         check_ladder(self.kv_eviction, self.kv_cache_dtype)
+        if v is not None and self.kv_eviction.ladder:
+            raise ValueError(f"kv_read_budget does not go with kv_eviction {self.kv_eviction.describe()} "
+                             "(a decode reads its demoted blocks in full)")  # fmt: skip
         self._check_deterministic()
 
     def _check_deterministic(self) -> None:

@@ -160,9 +160,9 @@ class TorchReferenceBackend:
         over its demoted blocks, if any, then its table's keys; each block's softmax mass is added to
         block_mass[i] (and cold_mass[i]) when it wants it."""
         m, n, bs = q.shape[0], meta.seq_lens_list[i], meta.block_size
-        if m == n:
+        if m == n and k is not None:
             keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, n, d]
-        else:
+        else:  # (a decode, even a sequence's first token: the step wrote its K/V already)
             table = meta.block_tables[i]
             keys = gather_kv(kv.k, table, n, kv.k_scale, q.dtype)
             values = gather_kv(kv.v, table, n, kv.v_scale, q.dtype)

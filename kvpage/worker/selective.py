@@ -91,6 +91,7 @@ class SelectiveRecompute:
             [self.seqs[i].block_table for _, i in entries], self.meta.block_size, device,
             want_mass=[self.seqs[i].want_mass for _, i in entries],
             read_budgets=[self.seqs[i].read_budget for _, i in entries],
+            cold_tables=[self.seqs[i].cold_blocks for _, i in entries],
         )  # fmt: skip
         self.rows = torch.tensor([r for run, _ in entries for r in run], dtype=torch.int64, device=device)
         return self.rows, self.narrowed
@@ -106,6 +107,10 @@ class SelectiveRecompute:
         if mass is not None and self.meta.block_mass is not None:
             index = torch.tensor(self.entry_of, dtype=torch.int64, device=mass.device)
             self.meta.block_mass[:, : mass.shape[1]].index_add_(0, index, mass)
+        cold = self.narrowed.cold_mass if self.narrowed is not None else None
+        if cold is not None and self.meta.cold_mass is not None:  # a demoting sequence's demoted blocks
+            index = torch.tensor(self.entry_of, dtype=torch.int64, device=cold.device)
+            self.meta.cold_mass[:, : cold.shape[1]].index_add_(0, index, cold)
         return full
 
 

@@ -113,3 +113,29 @@ def test_attention_over_demoted_blocks_equals_attention_with_them_in_place(backe
         dense_mass, mass = metas[0].block_mass[0], metas[1].block_mass[0]
         assert torch.allclose(mass[: len(table)], dense_mass[[1, 3, 4, 5]], atol=1e-4)
         assert torch.allclose(metas[1].cold_mass[0], dense_mass[[0, 2]], atol=1e-4)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_first_token_decoded_beside_a_sequence_with_demoted_blocks(backend_name):
+    """A batch where some decode reads demoted blocks attends every decode explicitly; a sequence's
+    first token (one query, one key: its own, written by the step) is one of them."""
+    backend = get_backend(backend_name)
+    kv = backend.allocate_kv(8, KVH, BS, D, torch.float32, "auto", "cpu")
+    kv.cold = {"int8": LayerKV.allocate((2, KVH, BS, D), torch.float32, "int8", "cpu")}
+    k, v = _blocks(2, seed=5)
+    kv.cold["int8"].put(torch.tensor([1]), k[:1], v[:1])
+    kv.k[2], kv.v[2] = k[1], v[1]
+    meta = AttentionMetadata.build([1, 1], [BS, 1], [[2], [5]], BS, want_mass=[True, False],
+                                   cold_tables=[[("int8", 1)], []])  # fmt: skip
+    g = torch.Generator().manual_seed(6)
+    q, knew, vnew = (
+        torch.randn(2, H, D, generator=g),
+        torch.randn(2, KVH, D, generator=g),
+        torch.randn(2, KVH, D, generator=g),
+    )
+    out = backend.forward(q, knew, vnew, kv, meta, D**-0.5)
+    # the first token sees only itself: its value, for each query head of the group
+    assert torch.allclose(out[1], vnew[1].repeat_interleave(H // KVH, 0), atol=1e-6)
+    assert meta.cold_mass[0, 0] > 0 and torch.isclose(
+        meta.cold_mass[0, 0] + meta.block_mass[0, 0], torch.tensor(H * 1.0)
+    )

@@ -42,6 +42,11 @@ def test_with_no_room_below_the_heavy_hitters_it_is_h2o_exactly(llm, text):
            for p in (H2O(32, 64), Demote(32, 0, 0, 64))]  # fmt: skip
     assert out[0] == out[1]
     assert_clean(llm)
+    # an engine whose own demoting policy has no rung below its heavy hitters keeps no pools: H2O again
+    bare = make_llm(num_kv_blocks=48, max_model_len=1024, kv_eviction=Demote(32, 0, 0, 64))
+    assert not bare.llm_engine.kv_manager.eviction.cold
+    assert bare.generate([text[:400]], greedy(24), use_tqdm=False)[0].outputs[0].token_ids == out[0]
+    assert_clean(bare)
 
 
 def test_demoted_blocks_keep_the_perplexity_within_the_quantization_gates(llm, text):
@@ -135,6 +140,8 @@ def test_bad_demotions_are_value_errors_naming_the_field(llm):
         EngineConfig(kv_cache_dtype="int8", kv_eviction=DEMOTE)
     with pytest.raises(ValueError, match="deterministic=True does not go with kv_eviction demote"):
         EngineConfig(deterministic=True, kv_eviction=DEMOTE)
+    with pytest.raises(ValueError, match="kv_read_budget does not go with kv_eviction demote"):
+        EngineConfig(kv_read_budget=0, kv_eviction=DEMOTE)
     with pytest.raises(ValueError, match="kv_eviction.int4_tokens"):
         SamplingParams(kv_eviction="demote:int4_tokens=-5")
     assert_clean(llm)
