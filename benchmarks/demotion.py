@@ -9,7 +9,8 @@ same KV bytes per sequence, a budget of BUDGET tokens in the cache's own precisi
 - StreamingLLM: a 16-token sink block and a window of BUDGET - 16;
 - H2O: BUDGET / 2 heavy, BUDGET / 2 recent;
 - Demote: BUDGET / 4 recent, BUDGET / 8 heavy kept hot, and the remaining bytes shared evenly by an
-  int8 and an int4 rung (so it holds about twice as many tokens as the others).
+  int8 and an int4 rung (so it holds about twice as many tokens as the others); "Demote, H2O's
+  window": the same with H2O's recent window, BUDGET / 2.
 
 Measured: perplexity of each window's last tokens (prompts prefilled 64 tokens a step, every chunk
 evicting or demoting as it goes); planted facts retrieved at random depths of CONTEXT-token texts;
@@ -41,9 +42,10 @@ NAMES = ["Alder", "Birch", "Cedar", "Dahlia", "Elm", "Fern", "Gorse", "Hazel", "
 BS = 16
 
 
-def demote_at(budget: int, cost: dict[str, int]) -> Demote:
-    """The Demote arm holding the bytes of `budget` hot tokens (block costs in `cost`)."""
-    recent, hot = budget // 4, budget // 8
+def demote_at(budget: int, cost: dict[str, int], recent_share: int = 4) -> Demote:
+    """The Demote arm holding the bytes of `budget` hot tokens (block costs in `cost`): a recent
+    window of budget / `recent_share`, budget / 8 heavy hitters kept hot, the rest in the rungs."""
+    recent, hot = budget // recent_share, budget // 8
     rest = (budget - recent - hot) // BS * cost["hot"]  # bytes left for the rungs, shared evenly
     int8, int4 = (rest // 2 // cost[p] * BS for p in ("int8", "int4"))
     return Demote(hot_tokens=hot, int8_tokens=int8, int4_tokens=int4, recent_tokens=recent)
@@ -71,7 +73,14 @@ def decode_rate(llm: LLM, prompts: list[list[int]], policy, steps: int) -> float
 
 def figure(plt, rows: dict, budgets: list[int], kind: str, ppl_context: int):
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, color in (("StreamingLLM", "tab:olive"), ("H2O", "tab:orange"), ("Demote", "tab:purple")):
+    for name, color in (
+        ("StreamingLLM", "tab:olive"),
+        ("H2O", "tab:orange"),
+        ("Demote", "tab:purple"),
+        ("Demote, H2O's window", "tab:red"),
+    ):
+        if f"{name} {budgets[0]}" not in rows:
+            continue
         a.plot(budgets, [rows[f"{name} {x}"]["perplexity"] for x in budgets], "o-", color=color, label=name)
         b.plot(budgets, [rows[f"{name} {x}"]["agree_tokens"] for x in budgets], "o-", color=color, label=name)
     a.axhline(rows["full cache"]["perplexity"], color="k", lw=0.8, label="full cache")
@@ -118,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         arms[f"StreamingLLM {b}"] = f"streaming:sink_tokens=16,window_tokens={b - 16}"
         arms[f"H2O {b}"] = f"h2o:heavy_tokens={b // 2},recent_tokens={b // 2}"
         arms[f"Demote {b}"] = demote_at(b, cost)
+        arms[f"Demote, H2O's window {b}"] = demote_at(b, cost, recent_share=2)
     # one engine for every arm: started with the largest Demote so its pools hold any arm's rungs,
     # prefilling 64 tokens a step as an evicting prompt does
     llm = LLM("smollm2", max_model_len=longest, max_num_batched_tokens=64, num_kv_blocks=4 * longest // BS + 64,

@@ -133,7 +133,11 @@ def rows(results: Path) -> list[tuple[str, str, str, str]]:
         def p(arm):
             return f"{r[arm]['perplexity']:.2f}"
 
-        got = "; ".join(f"{b} tokens' bytes: {p(f'Demote {b}')} (H2O {p(f'H2O {b}')}, StreamingLLM "
+        def window(b):  # the arm with H2O's recent window (not in runs before it was added)
+            arm = f"Demote, H2O's window {b}"
+            return f", with H2O's window {p(arm)}" if arm in r else ""
+
+        got = "; ".join(f"{b} tokens' bytes: {p(f'Demote {b}')}{window(b)} (H2O {p(f'H2O {b}')}, StreamingLLM "
                         f"{p(f'StreamingLLM {b}')})" for b in d["budgets"])  # fmt: skip
         out.append((f"Blocks demoted to int8 / int4 instead of dropped, perplexity at {d['args']['ppl_context']} "
                     "tokens at equal memory", "ZipCache: 4.98x compression at -0.38% GSM8k (Mistral-7B)",
