@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import random
 import time
 
+from _facts import contexts, planted_facts
 from _report import append_results, parse, recording, save_plot, suite_args, write_json
 
 from kvpage import LLM, SamplingParams
@@ -38,7 +38,6 @@ from kvpage.models import parse_dtype
 from kvpage.tools.perplexity import english_corpus, token_nlls
 from kvpage.worker.kv_cache import KVCache
 
-NAMES = ["Alder", "Birch", "Cedar", "Dahlia", "Elm", "Fern", "Gorse", "Hazel", "Iris", "Juniper"]
 BS = 16
 
 
@@ -95,11 +94,6 @@ def figure(plt, rows: dict, budgets: list[int], kind: str, ppl_context: int):
     return fig
 
 
-def contexts(ids: list[int], count: int, length: int) -> list[list[int]]:
-    stride = max(1, (len(ids) - length) // max(1, count))
-    return [ids[i * stride : i * stride + length] for i in range(count)]
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=4096, help="of the planted facts and continuations")
@@ -136,17 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype_name = llm.llm_engine.dtype_name
     ids = tok.encode(english_corpus(), add_special_tokens=False)
 
-    rng = random.Random(0)
-    cases = []
-    for i in range(args.facts):
-        name, code = NAMES[i % len(NAMES)], str(rng.randrange(10000, 99999))
-        fact = tok.encode(f" The code for {name} is {code}. ", add_special_tokens=False)
-        question = tok.encode(f"\nQuestion: what is the code for {name}? Answer: The code for {name} is",
-                              add_special_tokens=False)  # fmt: skip
-        start = rng.randrange(0, len(ids) - args.context)
-        body = ids[start : start + args.context - len(fact) - len(question)]
-        depth = rng.randrange(len(body) // 10, len(body) * 8 // 10)
-        cases.append((body[:depth] + fact + body[depth:] + question, code))
+    cases = planted_facts(tok, ids, args.facts, args.context)
     texts = contexts(ids, 4, args.context)
     windows = contexts(ids, args.ppl_windows, args.ppl_context)
     start = args.ppl_context - args.ppl_tokens - 1

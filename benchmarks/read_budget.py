@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import random
 import time
 
+from _facts import contexts, planted_facts
 from _report import append_results, parse, recording, save_plot, suite_args, write_json
 
 from kvpage import LLM, SamplingParams
 from kvpage.cpu_kind import machine
 from kvpage.tools.perplexity import decode_nlls, english_corpus, token_nlls
-
-NAMES = ["Alder", "Birch", "Cedar", "Dahlia", "Elm", "Fern", "Gorse", "Hazel", "Iris", "Juniper"]
 
 
 def decode_rate(llm: LLM, prompts: list[list[int]], budget: int | None, steps: int) -> float:
@@ -71,12 +69,6 @@ def figure(plt, speed: dict, fidelity: dict, kind: str, ppl_context: int):
     return fig
 
 
-def contexts(ids: list[int], count: int, length: int) -> list[list[int]]:
-    """`count` texts of `length` tokens from the corpus, each starting elsewhere (no shared prefix)."""
-    stride = max(1, (len(ids) - length) // max(1, count))
-    return [ids[i * stride : i * stride + length] for i in range(count)]
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="16x4096,32x4096,16x8128", help="SEQSxCONTEXT,... for the decode rate")
@@ -112,17 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = contexts(ids, 4, args.context)
 
     # fidelity: planted facts at random depths, and agreement with the full read's continuation
-    rng = random.Random(0)
-    cases = []
-    for i in range(args.facts):
-        name, code = NAMES[i % len(NAMES)], str(rng.randrange(10000, 99999))
-        fact = tok.encode(f" The code for {name} is {code}. ", add_special_tokens=False)
-        question = tok.encode(f"\nQuestion: what is the code for {name}? Answer: The code for {name} is",
-                              add_special_tokens=False)  # fmt: skip
-        start = rng.randrange(0, len(ids) - args.context)
-        body = ids[start : start + args.context - len(fact) - len(question)]
-        depth = rng.randrange(len(body) // 10, len(body) * 8 // 10)
-        cases.append((body[:depth] + fact + body[depth:] + question, code))
+    cases = planted_facts(tok, ids, args.facts, args.context)
     arms = {"full read": {}}
     for b in budgets:
         arms[f"budget {b}"] = {"kv_read_budget": b}

@@ -43,7 +43,7 @@ def smoke_results(tmp_path_factory):
             importlib.import_module(name).main(["--smoke"])
     finally:
         mp.undo()
-        for name in [*SUITE, "_report", "_bound", "_drive", "headline"]:
+        for name in [*SUITE, "_report", "_bound", "_drive", "_facts", "headline"]:
             sys.modules.pop(name, None)
     assert (BENCH / "RESULTS.md").read_text() == results, "a smoke run wrote RESULTS.md"
     assert (BENCH.parent / "README.md").read_text() == readme, "a smoke run wrote the README"
