@@ -801,6 +801,9 @@ def test_stats_fields_exact():
         tier_cached_blocks=0,
         tier_hit_tokens=0,
         evicted_tokens=0,
+        demoted_used_blocks={},  # no demoting policy: no pools per precision
+        demoted_total_blocks={},
+        demotions={},
     )
     assert dataclasses.asdict(st) == expected
     assert st.usage == pytest.approx(2 / 11)
