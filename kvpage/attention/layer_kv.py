@@ -93,3 +93,19 @@ class LayerKV:
         store = STORAGE[kv_dtype]
         return cls(zeros(shape, store), zeros(shape, store), zeros(shape[:3], torch.float32),
                    zeros(shape[:3], torch.float32), kv_dtype)  # fmt: skip
+
+
+def read_named_blocks(stores: dict, blocks: list[tuple[str, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of blocks named (store, block id) across several stores ({"hot": LayerKV, "int8": ...}),
+    dequantized to float32 [len(blocks), kv_heads, block_size, head_dim] on `device`, in the order
+    named; each store is read once."""
+    k = v = None
+    for name in dict.fromkeys(p for p, _ in blocks):
+        rows = [j for j, (p, _) in enumerate(blocks) if p == name]
+        store = stores[name]
+        ks, vs = store.dequantized(torch.tensor([blocks[j][1] for j in rows], dtype=torch.int64, device=store.k.device))
+        if k is None:
+            k = torch.empty(len(blocks), *ks.shape[1:], device=device)
+            v = torch.empty_like(k)
+        k[rows], v[rows] = ks.to(device), vs.to(device)
+    return k, v  # type: ignore[return-value]

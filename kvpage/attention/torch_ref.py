@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from kvpage.attention import key_bounds
 from kvpage.attention.kv_quant import dequantize, quantize
-from kvpage.attention.layer_kv import LayerKV
+from kvpage.attention.layer_kv import LayerKV, read_named_blocks
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.core.block import cdiv
 
@@ -189,14 +189,8 @@ class TorchReferenceBackend:
     @staticmethod
     def _cold_kv(kv: LayerKV, cold: list[tuple[str, int]], dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The demoted blocks' K and V, in the order listed, dequantized: [kv_heads, blocks x bs, d] each."""
-        heads, bs, d = kv.k.shape[1], kv.k.shape[2], kv.k.shape[3]
-        k = torch.empty(len(cold), heads, bs, d, device=kv.k.device)
-        v = torch.empty_like(k)
-        for precision in {p for p, _ in cold}:
-            rows = [j for j, (p, _) in enumerate(cold) if p == precision]
-            ids = torch.tensor([cold[j][1] for j in rows], dtype=torch.int64, device=kv.k.device)
-            ks, vs = kv.cold[precision].dequantized(ids)  # type: ignore[index]  # (the "cpu" rung: host memory)
-            k[rows], v[rows] = ks.to(k.device), vs.to(k.device)
+        heads, d = kv.k.shape[1], kv.k.shape[3]
+        k, v = read_named_blocks(kv.cold, cold, kv.k.device)  # type: ignore[arg-type]  # (the "cpu" rung: host memory)
         return (k.transpose(0, 1).reshape(heads, -1, d).to(dtype), v.transpose(0, 1).reshape(heads, -1, d).to(dtype))
 
     def _gather(self, name: str, cache_head: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

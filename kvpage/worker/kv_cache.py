@@ -30,7 +30,7 @@ from kvpage.attention.backend import AttentionBackend
 from kvpage.attention.int4_kv import Int4KV
 from kvpage.attention.key_bounds import DENSE_LAYERS, refresh_bounds
 from kvpage.attention.kv_quant import dequantize, quantize
-from kvpage.attention.layer_kv import LayerKV
+from kvpage.attention.layer_kv import LayerKV, read_named_blocks
 from kvpage.attention.torch_ref import TorchReferenceBackend
 from kvpage.core.kv_bytes import demoted_bytes_per_block, kv_bytes_per_block
 from kvpage.models.config import ModelConfig
@@ -114,13 +114,7 @@ class KVCache:
         device = self.layers[0].k.device
         for layer in self.layers:
             stores = {"hot": layer, **(layer.cold or {})}
-            k = torch.empty(len(moves), *layer.k.shape[1:3], self.layers[0].k.shape[3], device=device)
-            v = torch.empty_like(k)
-            for precision in {m[0] for m in moves}:
-                rows = [j for j, m in enumerate(moves) if m[0] == precision]
-                ids = torch.tensor([moves[j][1] for j in rows], dtype=torch.int64, device=device)
-                ks, vs = stores[precision].dequantized(ids)
-                k[rows], v[rows] = ks.to(device), vs.to(device)
+            k, v = read_named_blocks(stores, [(m[0], m[1]) for m in moves], device)
             for precision in {m[2] for m in moves}:
                 rows = [j for j, m in enumerate(moves) if m[2] == precision]
                 ids = torch.tensor([moves[j][3] for j in rows], dtype=torch.int64, device=device)
