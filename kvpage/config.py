@@ -148,6 +148,22 @@ class EngineConfig:
         "bit-identical tokens and logprobs whatever the batch, prefix hits, chunking "
         "or preemption (kvpage/models/batch_invariant.py; slower prefill)",
     )
+    tensor_parallel_size: int = _opt(
+        1,
+        "split the model's heads and MLP over N processes (Megatron-style, torch.distributed: gloo on CPU, "
+        "nccl on CUDA); rank 0 schedules, every rank holds 1/N of the KV cache (default 1)",
+        type=int,
+        aliases=("-tp",),
+        metavar="N",
+    )
+    master_addr: str | None = _opt(
+        None,
+        "with --tensor-parallel-size: the address rank 0 listens on for ranks launched by hand on other "
+        "machines (`kvpage tp-rank`); default: the ranks are spawned on this machine (torchrun's "
+        "MASTER_ADDR/RANK/WORLD_SIZE are read when set)",
+        metavar="HOST",
+    )
+    master_port: int | None = _opt(None, "with --master-addr: its port", type=int, metavar="PORT")
     verify_kv_every: int = _opt(
         0,
         "check the KV cache every N steps (finite values; with --deterministic a "
@@ -216,6 +232,25 @@ class EngineConfig:
             raise ValueError(f"kv_read_budget does not go with kv_eviction {self.kv_eviction.describe()} "
                              "(a decode reads its demoted blocks in full)")  # fmt: skip
         self._check_deterministic()
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        n = self.tensor_parallel_size
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {n!r}")
+        if (self.master_addr is None) != (self.master_port is None):
+            raise ValueError("master_addr and master_port go together")
+        if self.master_port is not None and not (isinstance(self.master_port, int) and 0 < self.master_port < 65536):
+            raise ValueError(f"master_port must be a port number, got {self.master_port!r}")
+        if n == 1:
+            if self.master_addr is not None:
+                raise ValueError("master_addr is where a tensor-parallel group meets: needs tensor_parallel_size>1")
+            return
+        if self.remote_kv is not None:  # each rank's blocks would need their own keys in the shared tier
+            raise ValueError("tensor_parallel_size > 1 does not go with remote_kv (yet)")
+        if self.verify_kv_every and self.deterministic:  # the recompute runs the model on rank 0 alone
+            raise ValueError("tensor_parallel_size > 1 does not go with verify_kv_every under deterministic "
+                             "(the check recomputes prefixes on rank 0 alone)")  # fmt: skip
 
     def _check_deterministic(self) -> None:
         if not isinstance(self.deterministic, bool):

@@ -9,3 +9,8 @@ class ParameterError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class TensorParallelFailure(RuntimeError):
+    """A rank of the tensor-parallel group died, or a step failed partway on some ranks: the ranks are
+    no longer in step, so the engine cannot go on (kvpage/distributed)."""

@@ -64,14 +64,78 @@ def describe_kernels(chosen: str, asked: str) -> str:
 
 
 def build_engine(config: EngineConfig) -> EngineParts:
+    """Every part of an engine. Under tensor parallelism (kvpage/distributed) this process is rank 0:
+    the other ranks are started (or joined) first, and its runner broadcasts each step to them."""
+    if config.tensor_parallel_size == 1:
+        return _build(config, None)
+    from kvpage.distributed.launch import start_group
+    from kvpage.distributed.rank_runner import RankZeroRunner
+
+    group, ranks = start_group(config)
+    try:
+        parts = _build(config, group)
+    except BaseException:
+        ranks.stop()
+        group.close()
+        raise
+    parts.runner = RankZeroRunner(parts.runner, group, ranks)
+    return parts
+
+
+@dataclass(slots=True)
+class ShardParts:
+    """What every rank builds alike: its shard of the model, its KV cache, its runner."""
+
+    loaded: object  # LoadedModel (its .config the whole model's, .model.config this rank's)
+    dtype_name: str
+    dtype_reason: str
+    dtype: torch.dtype
+    per_block: int  # this rank's bytes per block
+    num_blocks: int  # the same on every rank: the minimum over them
+    note: str
+    cold: dict
+    num_cpu_blocks: int
+    num_tier_blocks: int
+    kv_cache: KVCache
+    runner: ModelRunner
+
+
+def build_shard(config: EngineConfig, group=None) -> ShardParts:
+    """The model (this rank's shard of it), the KV pools sized and the runner; the same on every rank
+    but for the memory each holds: the block count is the minimum over the ranks, as vLLM does."""
+    from kvpage.distributed.shard import SINGLE, Shard
+
+    shard = Shard(group.rank, group.size) if group is not None else SINGLE
     dtype_name, dtype_reason = choose_dtype(config.dtype, config.device)
     dtype = parse_dtype(dtype_name)
     loaded = load_model(config.model, dtype=dtype, device=config.device, backend=config.attention_backend,
-                        weight_dtype=config.weight_dtype)  # fmt: skip
-    if loaded.tokenizer is None:
-        raise ValueError(f"model {config.model!r} has no tokenizer; kvpage needs one to serve text")
+                        weight_dtype=config.weight_dtype, shard=shard, comm=group)  # fmt: skip
     if config.deterministic:
         make_batch_invariant(loaded.model)
+    backend = loaded.model.attention_backend
+    local = loaded.model.config  # this rank's heads: its KV is 1/N of the whole (times any replication)
+    bounds = config.kv_read_budget is not None  # the key bounds a read budget chooses blocks by
+    per_block = KVCache.bytes_per_block(local, config.block_size, dtype, config.kv_cache_dtype, bounds)
+    num_blocks, note = _num_blocks(config, loaded, dtype, per_block)
+    if group is not None:
+        num_blocks = group.min(num_blocks)
+    num_blocks, cold = _demoted_pools(config, local, per_block, num_blocks)
+    num_cpu_blocks = int(config.swap_space) // per_block
+    num_tier_blocks = int(config.cpu_offload_memory) // per_block
+    kv_cache = KVCache(local, num_blocks, config.block_size, dtype, config.device, num_cpu_blocks,
+                       config.kv_cache_dtype, num_tier_blocks, backend=backend, key_bounds=bounds,
+                       cold_blocks=cold)  # fmt: skip
+    runner = ModelRunner(loaded.model, kv_cache, config.device, group=group,
+                         computes_logits=group is None or group.rank == 0)  # fmt: skip
+    return ShardParts(loaded, dtype_name, dtype_reason, dtype, per_block, num_blocks, note, cold, num_cpu_blocks,
+                      num_tier_blocks, kv_cache, runner)  # fmt: skip
+
+
+def _build(config: EngineConfig, group) -> EngineParts:
+    shard = build_shard(config, group)
+    loaded, dtype, kv_cache = shard.loaded, shard.dtype, shard.kv_cache
+    if loaded.tokenizer is None:
+        raise ValueError(f"model {config.model!r} has no tokenizer; kvpage needs one to serve text")
     backend = loaded.model.attention_backend
     kernels = describe_kernels(backend.name, config.attention_backend)
     if config.weight_dtype:
@@ -81,18 +145,12 @@ def build_engine(config: EngineConfig) -> EngineParts:
     if config.kv_cache_dtype != "auto":
         torch_path = config.kv_cache_dtype == "fp8" and backend.name != "torch"
         kernels += f"; {config.kv_cache_dtype} KV cache" + (" (attention on the torch path)" if torch_path else "")
-    block_size = config.block_size
-    bounds = config.kv_read_budget is not None  # the key bounds a read budget chooses blocks by
-    per_block = KVCache.bytes_per_block(loaded.config, block_size, dtype, config.kv_cache_dtype, bounds)
-    num_blocks, note = _num_blocks(config, loaded, dtype, per_block)
-    num_blocks, cold = _demoted_pools(config, loaded.config, per_block, num_blocks)
-    num_cpu_blocks = int(config.swap_space) // per_block
-    num_tier_blocks = int(config.cpu_offload_memory) // per_block
+    if group is not None:
+        kernels += f"; tensor parallel over {group.size} ranks ({group.backend})"
+    block_size, per_block, num_blocks, cold = config.block_size, shard.per_block, shard.num_blocks, shard.cold
+    num_cpu_blocks, num_tier_blocks = shard.num_cpu_blocks, shard.num_tier_blocks
     max_model_len = _max_model_len(config, loaded.config.max_position_embeddings, num_blocks, block_size)
-    kv_cache = KVCache(loaded.config, num_blocks, block_size, dtype, config.device, num_cpu_blocks,
-                       config.kv_cache_dtype, num_tier_blocks, backend=backend, key_bounds=bounds,
-                       cold_blocks=cold)  # fmt: skip
-    remote = _remote_tier(config, loaded, dtype_name, kv_cache) if config.remote_kv else None
+    remote = _remote_tier(config, loaded, shard.dtype_name, kv_cache) if config.remote_kv else None
     kv_manager = KVCacheManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                 enable_prefix_caching=config.enable_prefix_caching, watermark=config.watermark,
                                 bytes_per_block=per_block, num_tier_blocks=num_tier_blocks,
@@ -100,9 +158,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
     scheduler = Scheduler(kv_manager, max_num_seqs=config.max_num_seqs,
                           max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                           preemption_mode=config.preemption_mode)  # fmt: skip
-    runner = ModelRunner(loaded.model, kv_cache, config.device, remote=remote)
-    return EngineParts(dtype_name, dtype_reason, kernels, loaded.config, loaded.tokenizer,
-                       kv_dtype_name(config.kv_cache_dtype, dtype), per_block, note, max_model_len, kv_manager,
+    runner = shard.runner
+    runner.remote = remote
+    return EngineParts(shard.dtype_name, shard.dtype_reason, kernels, loaded.config, loaded.tokenizer,
+                       kv_dtype_name(config.kv_cache_dtype, dtype), per_block, shard.note, max_model_len, kv_manager,
                        kv_cache, runner, scheduler, remote)  # fmt: skip
 
 
@@ -122,7 +181,7 @@ def _num_blocks(config: EngineConfig, loaded, dtype: torch.dtype, per_block: int
     memory = config.kv_cache_memory if config.kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY
     if config.kv_cache_memory is None and torch.device(config.device).type == "cuda":
         memory, note = profile_kv_budget(
-            loaded.model, loaded.config, config.device, dtype, config.block_size, config.max_num_batched_tokens,
+            loaded.model, loaded.model.config, config.device, dtype, config.block_size, config.max_num_batched_tokens,
             config.max_num_seqs, config.kv_cache_dtype, config.gpu_memory_utilization,
         )  # fmt: skip
     num_blocks = int(memory) // per_block

@@ -31,6 +31,17 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop a tensor-parallel group's other ranks (also done at exit); a single-process LLM holds
+        nothing that needs it."""
+        self.llm_engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -34,7 +34,7 @@ from kvpage.engine.engine_stats import EngineStats, StepTokens
 from kvpage.engine.kv_verifier import KVVerifyReport, verify_kv_cache
 from kvpage.engine.output_processor import OutputProcessor, RequestState
 from kvpage.engine.segment_prompts import SegmentCompiler, SegmentedPrompt, prompt_of
-from kvpage.errors import ParameterError
+from kvpage.errors import ParameterError, TensorParallelFailure
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams, parse_kv_eviction
 from kvpage.worker.model_runner import ModelRunnerOutput
@@ -149,6 +149,8 @@ class LLMEngine:
         read_budget = self._read_budget(params, eviction)
         recompute = prompt.recompute_blocks if isinstance(prompt, SegmentedPrompt) else 1
         ratio = prompt.recompute_ratio if isinstance(prompt, SegmentedPrompt) else 0.0
+        if ratio and self.config.tensor_parallel_size > 1:  # each rank would pick other rows by its own heads
+            raise ParameterError("recompute_ratio", "recompute_ratio > 0 does not go with tensor_parallel_size > 1")
         req = Request(request_id, ids, self._arrivals, cache_salt=cache_salt, use_prefix_cache=not want_plp,
                       want_prompt_logprobs=want_plp, width=width, eviction=eviction,
                       independent=not is_beam and width > 1 and not eviction.evicts,
@@ -282,12 +284,21 @@ class LLMEngine:
         cached prefix chains and compare them bit for bit (engine/kv_verifier.py). Between steps only."""
         if isinstance(sample, bool) or not isinstance(sample, int) or sample < 0:
             raise ValueError(f"sample must be an integer >= 0, got {sample!r}")
+        if sample and self.config.deterministic and self.config.tensor_parallel_size > 1:
+            raise ValueError("a recompute check runs the model on rank 0 alone: sample must be 0 under tensor "
+                             "parallelism")  # fmt: skip
         report = verify_kv_cache(self, sample, seed)
         self.num_kv_verified_blocks += report.blocks_checked
         self.num_kv_mismatches += len(report.mismatches)
         for m in report.mismatches:
             _log.warning("KV cache check: %s", m)
         return report
+
+    def close(self) -> None:
+        """Release what outlives the object: a tensor-parallel group's other ranks (stopped by pid)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
@@ -298,6 +309,8 @@ class LLMEngine:
         generated = self.num_generation_tokens
         try:
             run = self.runner.execute(sched) if sched.has_work else ModelRunnerOutput([], torch.empty(0))
+        except TensorParallelFailure:  # the ranks are out of step: nothing can run on them
+            raise
         except Exception as e:  # noqa: BLE001 - the batch fails, the engine goes on
             result = self.scheduler.fail_step(sched, f"the model step failed: {type(e).__name__}: {e}")
             return self._finish_step(result, {}, (t0, t1, time.perf_counter()))

@@ -106,8 +106,9 @@ class DecoderLayer(nn.Module):
     norm (add_rms_norm): a layer takes the residual stream and the previous layer's MLP output still
     to be added, and returns the same pair."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchLayerOps):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchLayerOps, comm=None):
         super().__init__()
+        self.comm = comm  # a tensor-parallel shard's group: o_proj and down_proj are row-parallel
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, backend, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -120,8 +121,14 @@ class DecoderLayer(nn.Module):
             h = self.ops.rms_norm(x, norm1.weight, norm1.eps)
         else:
             x, h = self.ops.add_rms_norm(x, delta, norm1.weight, norm1.eps)
-        x, h = self.ops.add_rms_norm(x, self.self_attn(h, cos, sin, kv, meta), norm2.weight, norm2.eps)
-        return x, self.mlp(h)
+        attn = self.self_attn(h, cos, sin, kv, meta)
+        if self.comm is not None:
+            self.comm.all_reduce(attn)  # the heads' partial sums of o_proj
+        x, h = self.ops.add_rms_norm(x, attn, norm2.weight, norm2.eps)
+        mlp = self.mlp(h)
+        if self.comm is not None:
+            self.comm.all_reduce(mlp)  # the MLP slices' partial sums of down_proj
+        return x, mlp
 
 
 class LlamaForCausalLM(nn.Module):
@@ -135,16 +142,19 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None, ops: TorchLayerOps | None = None):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None, ops: TorchLayerOps | None = None,
+                 comm=None):  # fmt: skip
         super().__init__()
-        self.config = cfg
+        # under tensor parallelism (kvpage/distributed): this rank's config (its heads, its MLP slice) and
+        # its group, whose all-reduce completes each layer's row-parallel projections
+        self.config, self.comm = cfg, comm
         self.attention_backend = backend = backend or get_backend("torch")
         self.ops = ops = ops or TorchLayerOps()
         # (an uninitialised weight: the loader fills it, and Embedding's own init on the meta device
         # imports torch._dynamo and triton, 143 MB resident)
         table = torch.empty(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, ops) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, ops, comm) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -15,6 +15,7 @@ be written) the conversion goes to a temporary folder that is deleted once the m
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -28,6 +29,7 @@ import torch
 
 from kvpage.attention import get_backend
 from kvpage.core.kv_bytes import MODEL_DTYPE_NAMES
+from kvpage.distributed.shard import SINGLE, Shard
 from kvpage.heap import return_freed_memory
 from kvpage.models.config import ModelConfig
 from kvpage.models.layer_ops import KernelLayerOps, TorchLayerOps
@@ -132,14 +134,16 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         raise
 
 
-def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, device: str, backend: str) -> LlamaForCausalLM:
+def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, device: str, backend: str,
+                shard: Shard = SINGLE, comm=None) -> LlamaForCausalLM:  # fmt: skip
+    """The model (a tensor-parallel rank's shard of it: kvpage/distributed/shard.py), weights loaded."""
     attention = get_backend(backend, device)
     # the compiled CPU kernels serve the per-layer ops too wherever they serve attention
     ops = KernelLayerOps() if attention.name == "cpu" else TorchLayerOps()
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, attention, ops)
+        model = LlamaForCausalLM(shard.local_config(cfg), attention, ops, comm)
     model.to_empty(device=device)
-    model.load_weights(weights)
+    model.load_weights((name, shard.narrow(name, t, cfg)) for name, t in weights)
     return model.to(dtype).eval().requires_grad_(False)
 
 
@@ -175,22 +179,28 @@ def load_model(
     seed: int = 0,
     use_cache: bool = True,
     weight_dtype: str | None = None,
+    shard: Shard = SINGLE,
+    comm=None,
 ) -> LoadedModel:
-    """The model in `dtype`; with weight_dtype "int8"/"int4" its linear weights quantized (weight_quant)."""
+    """The model in `dtype`; with weight_dtype "int8"/"int4" its linear weights quantized (weight_quant).
+    With a `shard` of a tensor-parallel group, this rank's part of it, its layers all-reducing over `comm`
+    (`LoadedModel.config` stays the whole model's; `LoadedModel.model.config` is the rank's)."""
     if weight_dtype is not None:
         bits_of(weight_dtype)  # a wrong name fails before the load
-    loaded = _load(model, dtype, device, backend, seed, use_cache)
+    loaded = _load(model, dtype, device, backend, seed, use_cache, shard, comm)
     if weight_dtype is not None:
         quantize_model(loaded.model, weight_dtype)
     return_freed_memory()  # the load's float32 copies (an int4 server: ~1.1 GB resident instead of ~0.6 GB)
     return loaded
 
 
-def _load(model, dtype, device: str, backend: str, seed: int, use_cache: bool) -> LoadedModel:
+def _load(model, dtype, device: str, backend: str, seed: int, use_cache: bool, shard: Shard = SINGLE,
+          comm=None) -> LoadedModel:  # fmt: skip
+    build = functools.partial(build_model, shard=shard, comm=comm)
     t0 = time.perf_counter()
     torch_dtype = parse_dtype(dtype)
     if isinstance(model, ModelConfig):
-        m = build_model(model, dummy_weights(model, seed).items(), torch_dtype, device, backend)
+        m = build(model, dummy_weights(model, seed).items(), torch_dtype, device, backend)
         return LoadedModel(m, None, model, "dummy", time.perf_counter() - t0)
 
     from kvpage.models.hf_loader import read_hf_dir
@@ -199,25 +209,26 @@ def _load(model, dtype, device: str, backend: str, seed: int, use_cache: bool) -
     from_cache = False
     if path.is_file() and path.suffix == ".gguf":
         if not use_cache:
-            return _load_uncached_gguf(path, torch_dtype, device, backend, t0)
+            return _load_uncached_gguf(path, torch_dtype, device, backend, t0, build)
         converted = _converted_dir(path)
         from_cache = converted.exists()
         if not from_cache:
             try:
                 convert_gguf(path, converted)
             except OSError:  # the cache folder is not writable: convert into a temporary one
-                return _load_uncached_gguf(path, torch_dtype, device, backend, t0)
+                return _load_uncached_gguf(path, torch_dtype, device, backend, t0, build)
         read_from = converted
     elif path.is_dir():
         read_from = path
     else:
         raise ValueError(f"{path} is neither a .gguf file nor a model directory")
     cfg, tokenizer, weights, _ = read_hf_dir(read_from)
-    m = build_model(cfg, weights.items(), torch_dtype, device, backend)
+    m = build(cfg, weights.items(), torch_dtype, device, backend)
     return LoadedModel(m, tokenizer, cfg, str(path), time.perf_counter() - t0, from_cache)
 
 
-def _load_uncached_gguf(path: Path, dtype: torch.dtype, device: str, backend: str, t0: float) -> LoadedModel:
+def _load_uncached_gguf(path: Path, dtype: torch.dtype, device: str, backend: str, t0: float,
+                        build=build_model) -> LoadedModel:  # fmt: skip
     """Convert into a temporary directory, load from it exactly as from the cache, then delete it:
     without a cache, a load must not leave ~0.5 GB of float32 weights behind."""
     from kvpage.models.hf_loader import read_hf_dir
@@ -226,6 +237,6 @@ def _load_uncached_gguf(path: Path, dtype: torch.dtype, device: str, backend: st
         converted = Path(tmp) / "model"
         convert_gguf(path, converted)
         cfg, tokenizer, weights, _ = read_hf_dir(converted)
-        m = build_model(cfg, weights.items(), dtype, device, backend)  # copies the weights out of the files
+        m = build(cfg, weights.items(), dtype, device, backend)  # copies the weights out of the files
         del weights
     return LoadedModel(m, tokenizer, cfg, str(path), time.perf_counter() - t0, False)

@@ -35,6 +35,8 @@ class FusedDecode:
     def applies_to(model) -> bool:
         """Whether the model's layers could ever take this path (kernel ops, and a backend whose
         cache layout and decode are the compiled kernels': `AttentionBackend.fuses_decode`)."""
+        if getattr(model, "comm", None) is not None:  # a tensor-parallel shard: all-reduces between layers
+            return False
         return isinstance(model.ops, KernelLayerOps) and all(
             layer.self_attn.backend.fuses_decode for layer in model.layers
         )

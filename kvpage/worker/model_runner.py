@@ -43,8 +43,11 @@ class ModelRunner:
         kv_cache: KVCache,
         device: str | torch.device = "cpu",
         remote: RemoteTier | None = None,  # the shared tier the step's new blocks are written through to
+        group=None,  # a tensor-parallel rank's group (kvpage/distributed): H2O's mass is summed over it
+        computes_logits: bool = True,  # False on the ranks other than 0: they run the layers, rank 0 samples
     ):
         self.model = model
+        self.group, self.computes_logits = group, computes_logits
         self.kv_cache = kv_cache
         self.remote = remote
         self.device = torch.device(device)
@@ -83,15 +86,18 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, kv.layers, inputs.meta, selective)
             self.selective_tokens["candidates"] += selective.num_candidates
             self.selective_tokens["recomputed"] += selective.num_kept
+        mass, cold = self._attention_mass(inputs.meta)  # (a collective under tensor parallelism: every rank)
+        if not self.computes_logits:
+            self._write_through(step)
+            return ModelRunnerOutput([], torch.empty(0))
         logits = self.model.compute_logits(hidden[inputs.logits_index]).float()
         self._count_budget_blocks(inputs.meta)
         out = ModelRunnerOutput(inputs.logits_seq_ids, logits)
-        mass = inputs.meta.block_mass
         if mass is not None:
             cfg = self.model.config
-            per = mass / (cfg.num_layers * cfg.num_heads)
-            cold = inputs.meta.cold_mass
-            cold = cold / (cfg.num_layers * cfg.num_heads) if cold is not None else None
+            heads = cfg.num_heads * (self.group.size if self.group is not None else 1)  # every rank's heads
+            per = mass / (cfg.num_layers * heads)
+            cold = cold / (cfg.num_layers * heads) if cold is not None else None
             for row, s in enumerate(inputs.sequences):
                 if s.want_mass:  # the table's entries, then the demoted blocks (read in that order)
                     out.attention_mass[s.seq_id] = per[row, : len(s.block_table)].tolist() + (
@@ -109,6 +115,16 @@ class ModelRunner:
         self.timings["prepare"] += t2 - t1
         self.timings["forward"] += t3 - t2
         return out
+
+    def _attention_mass(self, meta):
+        """H2O's attention mass of the step's blocks (and demoted blocks), summed over this rank's heads
+        and layers, then over every rank's: eviction ranks blocks by all heads, on every rank alike."""
+        mass, cold = meta.block_mass, meta.cold_mass
+        if mass is not None and self.group is not None:
+            self.group.all_reduce(mass)
+            if cold is not None:
+                self.group.all_reduce(cold)
+        return mass, cold
 
     def _count_budget_blocks(self, meta) -> None:
         if meta.read_blocks is None:
