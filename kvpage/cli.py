@@ -211,9 +211,6 @@ def _serve_fleet(args, keys: list[str]) -> int:
 
 
 def _serve(args) -> int:
-    from kvpage.server.app import build_app
-    from kvpage.server.serve import serve
-
     keys = list(args.api_key or [])
     env_key = os.environ.get("KVPAGE_API_KEY")
     if env_key is not None:
@@ -226,7 +223,22 @@ def _serve(args) -> int:
         raise ValueError("--max-prompts-per-request must be at least 1")
     if args.replicas is not None:
         return _serve_fleet(args, keys)
+    from kvpage.distributed.launch import launched_rank, serve_as_rank
+
+    rank = launched_rank(args.tensor_parallel_size)
+    if rank is not None:  # torchrun started this process as a rank other than 0: it serves rank 0's steps
+        return serve_as_rank(rank.rank, rank.size, rank.addr, rank.port, args.device)
     llm = _in_passing_thread(lambda: _make_llm(args))
+    try:
+        return _serve_engine(args, llm, keys)
+    finally:
+        llm.close()  # a tensor-parallel group's other ranks, by pid
+
+
+def _serve_engine(args, llm, keys: list[str]) -> int:
+    from kvpage.server.app import build_app
+    from kvpage.server.serve import serve
+
     app = build_app(llm.llm_engine, **_app_kwargs(args, keys))
     engine = llm.llm_engine
     auth = f"{len(keys)} API key(s) required" if keys else "no API key"
@@ -299,7 +311,7 @@ def _estimate(args) -> int:
             raise ValueError(f"--lengths takes comma-separated integers, got {args.lengths!r}") from None
     else:
         lens = [args.actual_len or max(1, args.max_len // 2)] * args.batch
-    shape = resolve_shape(args.model)
+    shape = resolve_shape(args.model).per_rank(args.tensor_parallel_size)
     print(report(shape, args.block_size, args.batch, args.max_len, lens))
     if args.gpu_memory is not None:
         print()
@@ -480,7 +492,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of it to use (default 0.9)")
     p.add_argument("--reserve", type=float, default=1.0, metavar="GIB",
                    help="GiB kept for activations and the runtime (default 1)")  # fmt: skip
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="answer per rank of a tensor-parallel group of N: its heads' KV, its weights (default 1)",
+    )
     p.set_defaults(func=_estimate)
+
+    p = sub.add_parser("tp-rank", help="one rank (1..N-1) of a tensor-parallel group whose rank 0 is `kvpage serve "
+                       "--tensor-parallel-size N --master-addr A --master-port P` on another machine",
+                       description="Joins rank 0 at --master-addr:--master-port, receives its engine config, "
+                       "loads this rank's shard of the model and KV cache, and executes every step rank 0 "
+                       "broadcasts until rank 0 stops. (Ranks on rank 0's own machine are spawned by it.)")  # fmt: skip
+    from kvpage.distributed.launch import add_rank_args, run_rank
+
+    add_rank_args(p)
+    p.set_defaults(func=run_rank)
 
     p = sub.add_parser("blocks", help="block-size advice from observed sequence lengths",
                        description="From a JSONL of request lengths or a histogram: the seed documents' rule "

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-COMMANDS = ["demo", "core-demo", "generate", "chat", "serve", "bench", "estimate", "blocks"]
+COMMANDS = ["demo", "core-demo", "generate", "chat", "serve", "bench", "estimate", "blocks", "tp-rank"]
 
 
 def kvpage(*args: str, input: str | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
@@ -28,11 +28,14 @@ HELP_MUST_SAY = {  # what a user reading only `kvpage COMMAND --help` needs to f
     "serve": ["/v1/completions", "/v1/chat/completions", "/health", "/metrics", "--host", "127.0.0.1", "--port",
               "--api-key", "every path but /health", "KVPAGE_API_KEY", "empty key is refused",
               "--salt-cache-per-key", "--served-model-name", "--max-body-bytes", "--body-timeout", "408",
-              "--max-prompts-per-request", *ENGINE_HELP],
+              "--max-prompts-per-request", "--tensor-parallel-size", "--master-addr", "--master-port",
+              *ENGINE_HELP],
     "bench": ["offline throughput", "seeded", "JSONL", "--num-requests", "--input-len", "LOW:HIGH", "--output-len",
               "--output", *ENGINE_HELP],
     "estimate": ["2 x layers x kv_heads x head_dim", "pre-allocated", "paged", "llama-2-7b", "--batch", "--max-len",
-                 "--actual-len", "--lengths", "--block-size"],
+                 "--actual-len", "--lengths", "--block-size", "--tensor-parallel-size", "per rank"],
+    "tp-rank": ["--rank", "--master-addr", "--master-port", "--tensor-parallel-size", "receives its engine config",
+                "--device", "--threads"],
     "blocks": ["max(64, 2^floor(log2(avg/4)))", "least cost", "pre-allocate", "--block-cost", "--shared-prefix",
                "--lengths-file", "--histogram", "--min-block-size", "--max-block-size"],
 }  # fmt: skip
@@ -52,6 +55,19 @@ def test_top_level_help_lists_every_command():
     assert r.returncode == 0
     for command in COMMANDS:
         assert command in r.stdout, command
+
+
+def test_estimate_answers_per_tensor_parallel_rank():
+    whole = kvpage("estimate", "--model", "llama-3-8b", "--batch", "1", "--max-len", "1024")
+    rank = kvpage("estimate", "--model", "llama-3-8b", "--batch", "1", "--max-len", "1024", "-tp", "4")
+    assert whole.returncode == 0 and rank.returncode == 0, rank.stderr
+    # bf16: 2 x 32 layers x 8 kv heads x 128 x 2 bytes = 128 KiB per token; a rank of 4 holds 2 kv heads
+    assert "| bfloat16 | 128.00 KiB |" in whole.stdout and "| bfloat16 | 32.00 KiB |" in rank.stdout
+    assert "one rank of 4" in rank.stdout
+    # 16 ranks for 8 kv heads: each holds one, replicated on two ranks
+    assert "| bfloat16 | 16.00 KiB |" in kvpage("estimate", "--model", "llama-3-8b", "-tp", "16").stdout
+    bad = kvpage("estimate", "--model", "smollm2", "-tp", "2")
+    assert bad.returncode == 1 and "tensor_parallel_size=2 does not divide the model's 9 attention heads" in bad.stderr
 
 
 def test_estimate_matches_the_formula_by_hand():

@@ -150,19 +150,21 @@ def serve_as_rank(rank: int, size: int, addr: str, port: int, device: str = "cpu
         group.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvpage tp-rank", description="one rank (not 0) of a tensor-parallel group")
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--tensor-parallel-size", type=int, required=True)
-    p.add_argument("--master-addr", required=True)
+def add_rank_args(p: argparse.ArgumentParser) -> None:
+    """`kvpage tp-rank`'s options (and this module's, run as the spawned ranks are)."""
+    p.add_argument("--rank", type=int, required=True, help="this process's rank, 1..N-1 (rank 0 is kvpage serve)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, required=True, metavar="N")
+    p.add_argument("--master-addr", required=True, help="where rank 0 listens (its --master-addr)")
     p.add_argument("--master-port", type=int, required=True)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch threads for this rank")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda (this rank's GPU: LOCAL_RANK, else --rank)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads for this rank (default: torch's)")
     p.add_argument("--tp-timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds a collective may wait")
     p.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)  # spawned by rank 0
-    a = p.parse_args(argv)
+
+
+def run_rank(a: argparse.Namespace) -> int:
     if not 0 < a.rank < a.tensor_parallel_size:
-        p.error(f"--rank must be in [1, {a.tensor_parallel_size}) (rank 0 is the engine: kvpage serve)")
+        raise ValueError(f"--rank must be in [1, {a.tensor_parallel_size}) (rank 0 is the engine: kvpage serve)")
     if a.die_with_parent:
         _die_with_parent()
     logging.basicConfig(level=logging.WARNING, format=f"[rank {a.rank}] %(levelname)s %(message)s")
@@ -175,6 +177,22 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # a refusal rank 0 reports too (a head count the size does not divide, ...)
         log.error("stopped: %s", e)
         return 1
+
+
+def launched_rank(tensor_parallel_size: int) -> Rendezvous | None:
+    """Under torchrun, the rendezvous of a rank other than 0 (`kvpage serve` then serves steps, not HTTP)."""
+    env = os.environ
+    if tensor_parallel_size > 1 and "RANK" in env and "MASTER_ADDR" in env and int(env["RANK"]) > 0:
+        if int(env.get("WORLD_SIZE", "0")) != tensor_parallel_size:
+            raise ValueError(f"WORLD_SIZE={env.get('WORLD_SIZE')} but --tensor-parallel-size {tensor_parallel_size}")
+        return Rendezvous(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["RANK"]), tensor_parallel_size, False)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvpage tp-rank", description="one rank (not 0) of a tensor-parallel group")
+    add_rank_args(p)
+    return run_rank(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,26 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvpage.models.config import ModelConfig
+if TYPE_CHECKING:
+    from kvpage.models.config import ModelConfig
+
+
+def check_split(n: int, heads: int, kv_heads: int, intermediate: int) -> None:
+    """Refuse a split the model's shape does not allow, naming both numbers."""
+    if heads % n:
+        raise ValueError(f"tensor_parallel_size={n} does not divide the model's {heads} attention heads")
+    if (kv_heads % n) if n <= kv_heads else (n % kv_heads):
+        raise ValueError(f"tensor_parallel_size={n} and the model's {kv_heads} KV heads: one must divide the other")
+    if intermediate % n:
+        raise ValueError(f"tensor_parallel_size={n} does not divide the model's MLP width (intermediate_size "
+                         f"{intermediate})")  # fmt: skip
+
+
+def local_kv_heads(n: int, kv_heads: int) -> int:
+    """KV heads a rank holds: KV/N, or one (replicated) when N > KV."""
+    return max(1, kv_heads // n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,18 +43,7 @@ class Shard:
     size: int
 
     def check(self, cfg: ModelConfig) -> None:
-        """Refuse a split the model's shape does not allow, naming both numbers."""
-        n = self.size
-        if cfg.num_heads % n:
-            raise ValueError(f"tensor_parallel_size={n} does not divide the model's {cfg.num_heads} attention heads")
-        kv = cfg.num_kv_heads
-        if (kv % n) if n <= kv else (n % kv):
-            raise ValueError(f"tensor_parallel_size={n} and the model's {kv} KV heads: one must divide the other")
-        if cfg.intermediate_size % n:
-            raise ValueError(
-                f"tensor_parallel_size={n} does not divide the model's MLP width (intermediate_size "
-                f"{cfg.intermediate_size})"
-            )
+        check_split(self.size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size)
 
     def kv_replication(self, cfg: ModelConfig) -> int:
         """How many ranks hold each kv head (1 unless N > KV heads)."""
@@ -45,7 +52,7 @@ class Shard:
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
         self.check(cfg)
         n = self.size
-        return dataclasses.replace(cfg, num_heads=cfg.num_heads // n, num_kv_heads=max(1, cfg.num_kv_heads // n),
+        return dataclasses.replace(cfg, num_heads=cfg.num_heads // n, num_kv_heads=local_kv_heads(n, cfg.num_kv_heads),
                                    intermediate_size=cfg.intermediate_size // n)  # fmt: skip
 
     def _rows(self, part: str, cfg: ModelConfig) -> tuple[int, int]:

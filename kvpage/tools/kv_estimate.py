@@ -18,12 +18,14 @@ its conditions.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvpage.core.block import cdiv
 from kvpage.core.kv_bytes import ELEMENT_BYTES, kv_bytes_per_token
+from kvpage.distributed.shard import check_split, local_kv_heads
 
 KV_DTYPES = ELEMENT_BYTES  # bytes per stored value; int8 / fp8 add their scales
 
@@ -67,6 +69,17 @@ class KVShape:
 
     def bytes_per_token(self, dtype: str) -> int:
         return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, dtype)
+
+    def per_rank(self, n: int) -> KVShape:
+        """What one rank of a tensor-parallel group of `n` holds (kvpage/distributed/shard.py): its
+        heads, its kv heads (replicated when n exceeds them), its MLP slice; tables and norms whole."""
+        if n == 1:
+            return self
+        d = self._dims()
+        check_split(n, d.heads, self.kv_heads, d.intermediate)
+        dims = dataclasses.replace(d, heads=d.heads // n, intermediate=d.intermediate // n)
+        return KVShape(f"{self.name} (one rank of {n})", self.layers, local_kv_heads(n, self.kv_heads),
+                       self.head_dim, dims)  # fmt: skip
 
     def linear_params(self) -> int:
         d = self._dims()
