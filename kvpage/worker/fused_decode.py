@@ -6,7 +6,9 @@ bfloat16 here), and the ~12 Python-side calls per layer (module calls, dispatch,
 backend's checks) add ~15% to it. When every sequence of a step decodes one token, the model's
 layers use the CPU kernels for both their math and attention, and the cache is in the model's dtype
 or int8, `FusedDecode.run` hands the whole stack to C++, which calls the same kernels in the same
-order: the hidden states are bit-identical to the layer-by-layer path. Anything else (prefill
+order: the hidden states are bit-identical to the layer-by-layer path. A tensor-parallel rank calls
+the two halves of each layer instead (decode_attention_part, decode_mlp_part: the same functions),
+all-reducing o_proj's and down_proj's partial sums between them. Anything else (prefill
 chunks, H2O's attention mass, fp8 caches, the reference ops, a backend whose `fuses_decode` is
 False) runs the model layer by layer.
 """
@@ -35,8 +37,6 @@ class FusedDecode:
     def applies_to(model) -> bool:
         """Whether the model's layers could ever take this path (kernel ops, and a backend whose
         cache layout and decode are the compiled kernels': `AttentionBackend.fuses_decode`)."""
-        if getattr(model, "comm", None) is not None:  # a tensor-parallel shard: all-reduces between layers
-            return False
         return isinstance(model.ops, KernelLayerOps) and all(
             layer.self_attn.backend.fuses_decode for layer in model.layers
         )
@@ -70,12 +70,38 @@ class FusedDecode:
         ops, rows = self.model.ops, x.shape[0]
         limit = (ops.policy.quantized if bits else ops.policy.plain)[x.dtype]
         cfg, attn = self.model.config, self.model.layers[0].self_attn
+        if self.model.comm is not None:
+            return self._run_sharded(x, cos, sin, flat, bits, bias, caches, kv_caches, meta, 0 < rows <= limit)
         return torch.ops.kvpage.decode_layers(
             x, cos, sin, flat, bits, bias, *caches, meta.block_tables, meta.seq_lens, meta.slot_mapping,
             self.model.norm.weight, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, attn.scale,
             0 < rows <= limit, ops.policy.one_order, *_bounds_lists(kv_caches), meta.read_blocks,
             SINK_BLOCKS, RECENT_BLOCKS,
         )  # fmt: skip
+
+    def _run_sharded(self, x, cos, sin, flat, bits, bias, caches, kv_caches, meta, kernel_linear: bool):
+        """A tensor-parallel rank's decode: decode_layers' two halves of each layer in one call each (the
+        same C++ functions), the row-parallel outputs all-reduced between them."""
+        model, k = self.model, torch.ops.kvpage
+        cfg, comm, one_order = model.config, model.comm, model.ops.policy.one_order
+        ks, vs, kscales, vscales = caches
+        mins, maxs = _bounds_lists(kv_caches)
+        scale, eps, per = model.layers[0].self_attn.scale, cfg.rms_norm_eps, len(flat) // len(kv_caches)
+        delta = None
+        for i in range(len(kv_caches)):
+            w = flat[i * per : (i + 1) * per]
+            bounded = bool(mins) and mins[i].numel() > 0
+            attn = k.decode_attention_part(
+                x, delta, cos, sin, w, bits, bias[i] if bias else None, ks[i], vs[i],
+                kscales[i] if kscales else None, vscales[i] if vscales else None, meta.block_tables, meta.seq_lens,
+                meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps, scale, kernel_linear,
+                one_order, mins[i] if bounded else None, maxs[i] if bounded else None, meta.read_blocks,
+                SINK_BLOCKS, RECENT_BLOCKS,
+            )  # fmt: skip
+            comm.all_reduce(attn)
+            delta = k.decode_mlp_part(x, attn, w, bits, eps, kernel_linear, one_order)
+            comm.all_reduce(delta)
+        return k.add_rms_norm(x, delta, model.norm.weight, eps)
 
     def _layer_weights(self):
         """Per layer: the two norms, then (weight, scales, mins) of qkv, o, gate_up, down; built once."""

@@ -133,6 +133,22 @@ def test_per_rank_kv_and_weights(pair):
     assert size(m2, "embed_tokens") == size(m1, "embed_tokens")  # replicated (tied to the lm_head)
 
 
+def test_decodes_take_the_fused_path_in_halves(pair, monkeypatch):
+    """A rank's pure decode steps run decode_layers' two halves per layer (compiled), all-reducing between."""
+    from kvpage.worker.fused_decode import FusedDecode
+
+    _, one, two = pair
+    model = two.llm_engine.runner.model
+    if not FusedDecode.applies_to(model):
+        pytest.skip("the compiled CPU kernels are not what runs here")
+    calls, orig = [], FusedDecode._run_sharded
+    monkeypatch.setattr(FusedDecode, "_run_sharded", lambda self, *a: calls.append(1) or orig(self, *a))
+    a = one.generate(PROMPTS[:2], greedy(10))
+    b = two.generate(PROMPTS[:2], greedy(10))
+    assert calls, "no decode step of rank 0 took the fused path"
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
 def test_refusals(pair, tmp_path):
     cfg, one, _ = pair
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's 4 attention heads"):

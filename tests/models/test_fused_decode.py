@@ -138,3 +138,27 @@ def test_weights_quantized_after_a_fused_step_are_read_afresh():
     a, b, ran = _both(lm, *_step(lm, [6, 9], 4))
     assert ran and torch.equal(a, b)
     assert _fused(lm)._weights[1] == 8  # it gathered the int8 weights, not the old float ones
+
+
+@pytest.mark.parametrize("weight_dtype", [None, "int4"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_tensor_parallel_rank_runs_the_same_kernels_in_halves(dtype, kv_cache_dtype, weight_dtype):
+    """Under tensor parallelism each layer's two halves are called apart (decode_attention_part,
+    decode_mlp_part), all-reduced between: in a real group of one the bits equal decode_layers'."""
+    from kvpage.distributed.group import TPGroup
+    from kvpage.distributed.launch import free_port
+
+    group = TPGroup(0, 1, "127.0.0.1", free_port())
+    sharded = load_model(GQA_BIAS, dtype=dtype, weight_dtype=weight_dtype, comm=group)
+    whole = load_model(GQA_BIAS, dtype=dtype, weight_dtype=weight_dtype)
+    for lens in ([5], [3, 20, 9, 64, 1]):
+        step = _step(whole, lens, 4, kv_cache_dtype, seed=len(lens))
+        a, b, ran = _both(sharded, *step)
+        assert ran and torch.equal(a, b)
+        reduces = group.num_all_reduces
+        c, _, ran_whole = _both(whole, *step)
+        assert ran_whole and torch.equal(a, c)
+        assert group.num_all_reduces == reduces  # (the whole model all-reduces nothing)
+    assert group.num_all_reduces > 0
+    group.close()

@@ -1255,6 +1255,46 @@ Tensor any_linear(const Tensor& x, const Tensor* w3, int64_t bits, const Tensor&
   return at::linear(x, w, b ? std::optional<Tensor>(b->to(x.scalar_type())) : std::nullopt);
 }
 
+// One layer's attention half: the input norm (of x + delta, x updated in place; of x alone for the first
+// layer), q/k/v, RoPE, the new K/V written, paged attention, o_proj. Returns o_proj's output: the
+// post-attention norm's delta (under tensor parallelism this rank's partial sum, all-reduced first).
+// w: the layer's PER_LAYER weights; k_scale / v_scale undefined unless the cache is int8.
+Tensor attention_part(Tensor& x, const Tensor& delta, const Tensor& cos, const Tensor& sin, const Tensor* w, int64_t bits,
+                      const Tensor& bias, const Tensor& k_cache, const Tensor& v_cache, const Tensor& k_scale,
+                      const Tensor& v_scale, const Tensor& block_tables, const Tensor& seq_lens, const Tensor& slot_mapping,
+                      int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, bool kernel_linear,
+                      bool one_order, const std::optional<Tensor>& mn, const std::optional<Tensor>& mx,
+                      const std::optional<Tensor>& read_blocks, int64_t sink, int64_t recent) {
+  const int64_t T = x.size(0), qs = heads * head_dim, kvs = kv_heads * head_dim;
+  Tensor h = delta.defined() ? add_rms_norm(x, delta, w[0], eps) : rms_norm(x, w[0], eps);
+  Tensor qkv = any_linear(h, w + 2, bits, bias, kernel_linear, one_order);
+  rope_(qkv, cos, sin, heads + kv_heads, head_dim);
+  Tensor q = qkv.narrow(1, 0, qs).view({T, heads, head_dim});
+  Tensor k = qkv.narrow(1, qs, kvs).view({T, kv_heads, head_dim});
+  Tensor v = qkv.narrow(1, qs + kvs, kvs).view({T, kv_heads, head_dim});
+  Tensor o = at::empty({T, heads, head_dim}, q.options());
+  if (k_scale.defined()) {
+    write_kv_int8(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping);
+    if (mn) refresh_key_bounds(k_cache, k_scale, *mn, *mx, slot_mapping);
+    paged_decode_attention_int8(o, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale, mn, mx,
+                                read_blocks, sink, recent);
+  } else {
+    write_kv(k, v, k_cache, v_cache, slot_mapping);
+    if (mn) refresh_key_bounds(k_cache, std::nullopt, *mn, *mx, slot_mapping);
+    paged_decode_attention(o, q, k_cache, v_cache, block_tables, seq_lens, scale, mn, mx, read_blocks, sink, recent);
+  }
+  return any_linear(o.view({T, qs}), w + 5, bits, Tensor(), kernel_linear, one_order);
+}
+
+// The MLP half: x += attn, its post-attention norm, gate/up, SiLU, down. Returns down's output: the next
+// layer's delta (under tensor parallelism this rank's partial sum, all-reduced first).
+Tensor mlp_part(Tensor& x, const Tensor& attn, const Tensor* w, int64_t bits, double eps, bool kernel_linear,
+                bool one_order) {
+  Tensor h = add_rms_norm(x, attn, w[1], eps);
+  return any_linear(silu_mul(any_linear(h, w + 8, bits, Tensor(), kernel_linear, one_order)), w + 11, bits, Tensor(),
+                    kernel_linear, one_order);
+}
+
 Tensor decode_layers(Tensor x, Tensor cos, Tensor sin, at::TensorList weights, int64_t bits, at::TensorList qkv_bias,
                      at::TensorList k_caches, at::TensorList v_caches, at::TensorList k_scales, at::TensorList v_scales,
                      Tensor block_tables, Tensor seq_lens, Tensor slot_mapping, Tensor final_norm, int64_t heads,
@@ -1269,35 +1309,44 @@ Tensor decode_layers(Tensor x, Tensor cos, Tensor sin, at::TensorList weights, i
   TORCH_CHECK(block_tables.size(0) == T && seq_lens.numel() == T, "decode_layers: one token per sequence");
   const bool bounded = !k_mins.empty();
   TORCH_CHECK(!bounded || (static_cast<int64_t>(k_mins.size()) == L && static_cast<int64_t>(k_maxs.size()) == L), "decode_layers: key bounds per layer (empty where a layer keeps none)");
-  const int64_t qs = heads * head_dim, kvs = kv_heads * head_dim;
   Tensor delta;
   for (int64_t l = 0; l < L; ++l) {
     const Tensor* w = weights.data() + l * PER_LAYER;
-    Tensor h = l == 0 ? rms_norm(x, w[0], eps) : add_rms_norm(x, delta, w[0], eps);
-    Tensor qkv = any_linear(h, w + 2, bits, qkv_bias.empty() ? Tensor() : qkv_bias[l], kernel_linear, one_order);
-    rope_(qkv, cos, sin, heads + kv_heads, head_dim);
-    Tensor q = qkv.narrow(1, 0, qs).view({T, heads, head_dim});
-    Tensor k = qkv.narrow(1, qs, kvs).view({T, kv_heads, head_dim});
-    Tensor v = qkv.narrow(1, qs + kvs, kvs).view({T, kv_heads, head_dim});
-    Tensor o = at::empty({T, heads, head_dim}, q.options());
     // this layer's key bounds, if it keeps them (the first layers read densely and keep none)
     const bool lb = bounded && k_mins[l].numel() > 0;
     const std::optional<Tensor> mn = lb ? std::optional<Tensor>(k_mins[l]) : std::nullopt;
     const std::optional<Tensor> mx = lb ? std::optional<Tensor>(k_maxs[l]) : std::nullopt;
-    if (int8) {
-      write_kv_int8(k, v, k_caches[l], v_caches[l], k_scales[l], v_scales[l], slot_mapping);
-      if (lb) refresh_key_bounds(k_caches[l], k_scales[l], k_mins[l], k_maxs[l], slot_mapping);
-      paged_decode_attention_int8(o, q, k_caches[l], v_caches[l], k_scales[l], v_scales[l], block_tables, seq_lens, scale,
-                                  mn, mx, read_blocks, sink, recent);
-    } else {
-      write_kv(k, v, k_caches[l], v_caches[l], slot_mapping);
-      if (lb) refresh_key_bounds(k_caches[l], std::nullopt, k_mins[l], k_maxs[l], slot_mapping);
-      paged_decode_attention(o, q, k_caches[l], v_caches[l], block_tables, seq_lens, scale, mn, mx, read_blocks, sink, recent);
-    }
-    h = add_rms_norm(x, any_linear(o.view({T, qs}), w + 5, bits, Tensor(), kernel_linear, one_order), w[1], eps);
-    delta = any_linear(silu_mul(any_linear(h, w + 8, bits, Tensor(), kernel_linear, one_order)), w + 11, bits, Tensor(), kernel_linear, one_order);
+    Tensor attn = attention_part(x, delta, cos, sin, w, bits, qkv_bias.empty() ? Tensor() : qkv_bias[l], k_caches[l],
+                                 v_caches[l], int8 ? k_scales[l] : Tensor(), int8 ? v_scales[l] : Tensor(), block_tables,
+                                 seq_lens, slot_mapping, heads, kv_heads, head_dim, eps, scale, kernel_linear, one_order,
+                                 mn, mx, read_blocks, sink, recent);
+    delta = mlp_part(x, attn, w, bits, eps, kernel_linear, one_order);
   }
   return add_rms_norm(x, delta, final_norm, eps);
+}
+
+// decode_layers' two halves of one layer, for a tensor-parallel rank that all-reduces each half's
+// output between them (kvpage/worker/fused_decode.py); the same functions, so the same bits.
+Tensor decode_attention_part(Tensor x, std::optional<Tensor> delta, Tensor cos, Tensor sin, at::TensorList weights,
+                             int64_t bits, std::optional<Tensor> qkv_bias, Tensor k_cache, Tensor v_cache,
+                             std::optional<Tensor> k_scale, std::optional<Tensor> v_scale, Tensor block_tables,
+                             Tensor seq_lens, Tensor slot_mapping, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                             double eps, double scale, bool kernel_linear, bool one_order, std::optional<Tensor> k_min,
+                             std::optional<Tensor> k_max, std::optional<Tensor> read_blocks, int64_t sink, int64_t recent) {
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == PER_LAYER, "decode_attention_part: ", PER_LAYER, " weights of one layer");
+  TORCH_CHECK(block_tables.size(0) == x.size(0) && seq_lens.numel() == x.size(0), "decode_attention_part: one token per sequence");
+  TORCH_CHECK(k_scale.has_value() == v_scale.has_value(), "decode_attention_part: both int8 scales or neither");
+  TORCH_CHECK(k_min.has_value() == k_max.has_value(), "decode_attention_part: both key bounds or neither");
+  return attention_part(x, delta ? *delta : Tensor(), cos, sin, weights.data(), bits, qkv_bias ? *qkv_bias : Tensor(),
+                        k_cache, v_cache, k_scale ? *k_scale : Tensor(), v_scale ? *v_scale : Tensor(), block_tables,
+                        seq_lens, slot_mapping, heads, kv_heads, head_dim, eps, scale, kernel_linear, one_order, k_min,
+                        k_max, read_blocks, sink, recent);
+}
+
+Tensor decode_mlp_part(Tensor x, Tensor attn, at::TensorList weights, int64_t bits, double eps, bool kernel_linear,
+                       bool one_order) {
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == PER_LAYER, "decode_mlp_part: ", PER_LAYER, " weights of one layer");
+  return mlp_part(x, attn, weights.data(), bits, eps, kernel_linear, one_order);
 }
 
 }  // namespace
@@ -1316,6 +1365,8 @@ TORCH_LIBRARY(kvpage, m) {
   m.def("linear_quant(Tensor x, Tensor q, Tensor scales, Tensor? mins, int bits, Tensor? bias) -> Tensor");
   m.def("dequantize_weight(Tensor q, Tensor scales, Tensor? mins, int bits) -> Tensor");
   m.def("decode_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor[] weights, int bits, Tensor[] qkv_bias, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor(d!)[] k_scales, Tensor(e!)[] v_scales, Tensor block_tables, Tensor seq_lens, Tensor slot_mapping, Tensor final_norm, int heads, int kv_heads, int head_dim, float eps, float scale, bool kernel_linear, bool one_order, Tensor(f!)[] k_mins, Tensor(g!)[] k_maxs, Tensor? read_blocks, int sink, int recent) -> Tensor");
+  m.def("decode_attention_part(Tensor(a!) x, Tensor? delta, Tensor cos, Tensor sin, Tensor[] weights, int bits, Tensor? qkv_bias, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor(d!)? k_scale, Tensor(e!)? v_scale, Tensor block_tables, Tensor seq_lens, Tensor slot_mapping, int heads, int kv_heads, int head_dim, float eps, float scale, bool kernel_linear, bool one_order, Tensor(f!)? k_min, Tensor(g!)? k_max, Tensor? read_blocks, int sink, int recent) -> Tensor");
+  m.def("decode_mlp_part(Tensor(a!) x, Tensor attn, Tensor[] weights, int bits, float eps, bool kernel_linear, bool one_order) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvpage, CPU, m) {
@@ -1332,4 +1383,6 @@ TORCH_LIBRARY_IMPL(kvpage, CPU, m) {
   m.impl("linear_quant", &linear_quant);
   m.impl("dequantize_weight", &dequantize_weight);
   m.impl("decode_layers", &decode_layers);
+  m.impl("decode_attention_part", &decode_attention_part);
+  m.impl("decode_mlp_part", &decode_mlp_part);
 }
