@@ -142,6 +142,20 @@ def rows(results: Path) -> list[tuple[str, str, str, str]]:
         out.append((f"Blocks demoted to int8 / int4 instead of dropped, perplexity at {d['args']['ppl_context']} "
                     "tokens at equal memory", "ZipCache: 4.98x compression at -0.38% GSM8k (Mistral-7B)",
                     f"full cache {r['full cache']['perplexity']:.2f}; {got}", "demotion"))  # fmt: skip
+    d = _load(results, "tensor_parallel")
+    if d:
+        base = {r["model"]: r for r in d["rows"] if r["tp"] == 1}
+
+        def tp_row(r):
+            b = base[r["model"]]
+            return (f"TP={r['tp']} ({r['model'].split(' (')[0]}): per rank KV "
+                    f"{r['kv_bytes_per_block'] / b['kv_bytes_per_block']:.2f}x, weights "
+                    f"{r['weight_bytes'] / b['weight_bytes']:.2f}x; one stream {r['stream_ms'] / b['stream_ms']:.1f}x "
+                    f"slower ({r['stream_coll']:.0%} in all-reduce)")  # fmt: skip
+
+        got = "; ".join(tp_row(r) for r in d["rows"] if r["tp"] > 1)
+        out.append((f"Tensor parallelism on {d['cores']} CPU cores (gloo): memory per rank, not speed", "",
+                    got, "tensor_parallel"))  # fmt: skip
     return out
 
 

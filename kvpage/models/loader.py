@@ -170,6 +170,22 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
+def save_dummy_model(path: Path, cfg: ModelConfig, tokenizer: Tokenizer, seed: int = 0, scale: float = 1.0) -> Path:
+    """A Hugging Face directory of seeded dummy weights (`dummy_weights`, all but the norms times
+    `scale`) with `tokenizer`: a model of any shape that loads, serves and splits like a real one
+    (the tensor-parallel tests and benchmark)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    weights = {
+        n: (t if n.endswith("norm.weight") else scale * t).contiguous() for n, t in dummy_weights(cfg, seed).items()
+    }
+    save_file(weights, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
+    tokenizer.save(path)
+    return path
+
+
 def load_model(
     model: str | ModelConfig = DEFAULT_MODEL,
     *,

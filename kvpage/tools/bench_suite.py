@@ -25,6 +25,7 @@ SUITE = {
     "segments": "documents reused at any position: full prefill, naive reuse, block-LegoLink and CacheBlend",
     "read_budget": "a decode read budget (Quest): decode tokens/s and fidelity against StreamingLLM and H2O",
     "demotion": "blocks demoted to int8 / int4 instead of dropped, at equal memory against H2O and StreamingLLM",
+    "tensor_parallel": "tensor parallelism on CPU at TP=1/2/3: memory per rank, step time, share in all-reduces",
 }
 
 

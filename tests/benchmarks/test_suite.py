@@ -26,6 +26,7 @@ KEYS = {
     "segments": ["rows"],
     "read_budget": ["speed", "fidelity"],
     "demotion": ["rows", "budgets", "cost"],
+    "tensor_parallel": ["rows", "cores"],
 }
 
 
