@@ -31,10 +31,12 @@ test-kinds: $(STAMP)
 		KVPAGE_CPU_KIND=$$kind $(PY) -m pytest -q $(KIND_TESTS) || exit 1; \
 	done
 
-# The long versions: the scheduler simulation over 20,000 seeded workloads (CI runs 1,000).
+# The long versions: the scheduler simulation over 20,000 seeded workloads (CI runs 1,000), and SmolLM2
+# split over three tensor-parallel ranks against one process.
 test-slow: $(STAMP)
 	$(PY) -m kvpage.tools.scheduler_sim --seeds 20000
 	KVPAGE_PROPERTY_SCALE=10 $(PY) -m pytest -q tests/core/test_properties.py
+	KVPAGE_SLOW_TESTS=1 $(PY) -m pytest -q tests/distributed/test_smollm2_tp3.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check kvpage tests benchmarks

@@ -58,8 +58,9 @@ def free_port() -> int:
 class Ranks:
     """The other ranks' processes when this one spawned them (none when they were launched per rank)."""
 
-    def __init__(self, procs: list[subprocess.Popen]) -> None:
+    def __init__(self, procs: list[subprocess.Popen], threads_before: int | None = None) -> None:
         self.procs = procs
+        self.threads_before = threads_before  # this process's torch threads before it gave the ranks theirs
 
     def dead(self) -> list[int]:
         """The ranks whose process has exited."""
@@ -79,6 +80,9 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if self.threads_before is not None:
+            _set_threads(self.threads_before)
+            self.threads_before = None
 
 
 def start_group(config) -> tuple[TPGroup, Ranks]:
@@ -87,15 +91,18 @@ def start_group(config) -> tuple[TPGroup, Ranks]:
     if rv.rank != 0:
         raise ValueError(f"this process is rank {rv.rank} of a launched group: run it with `kvpage tp-rank` "
                          "(or `kvpage serve` under torchrun), not as an engine")  # fmt: skip
-    procs = []
-    if rv.spawned:
-        threads = str(max(1, _threads() // rv.size))
+    procs, before = [], None
+    if rv.spawned:  # the ranks share this machine's cores: each (this one too) takes 1/N of its threads
+        before = _threads()
+        per_rank = max(1, before // rv.size)
+        _set_threads(per_rank)
+        threads = str(per_rank)
         for r in range(1, rv.size):
             cmd = [sys.executable, "-m", "kvpage.distributed.launch", "--rank", str(r), "--tensor-parallel-size",
                    str(rv.size), "--master-addr", rv.addr, "--master-port", str(rv.port), "--threads", threads,
                    "--device", config.device, "--tp-timeout", str(_timeout(config)), "--die-with-parent"]  # fmt: skip
             procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
-    ranks = Ranks(procs)
+    ranks = Ranks(procs, before)
     try:
         group = TPGroup(0, rv.size, rv.addr, rv.port, config.device, _timeout(config))
         group.broadcast(config)
@@ -115,6 +122,12 @@ def _threads() -> int:
     import torch
 
     return torch.get_num_threads()
+
+
+def _set_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
 
 
 def _die_with_parent() -> None:

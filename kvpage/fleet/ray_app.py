@@ -357,6 +357,9 @@ class KVReplica:
         if aengine is not None:
             aengine.begin_shutdown()
             aengine.shutdown()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()  # a tensor-parallel replica's other ranks, by pid
 
 
 # ---------------------------------------------------------------------- the ingress
@@ -562,12 +565,21 @@ def build_application(spec: FleetSpec, index_name: str | None):
     cores = os.cpu_count() or 1
     cpus = spec.cpus_per_replica if spec.cpus_per_replica is not None else max(0.01, cores / spec.replicas * 0.9)
     threads = spec.threads_per_replica or max(1, cores // spec.replicas)
+    # a tensor-parallel replica (kvpage/distributed) is a group of N processes: Ray reserves a bundle of
+    # CPUs for each rank, all on one node (STRICT_PACK), the replica's actor in the first; the replica
+    # spawns its other ranks there and gives each 1/N of its threads
+    tp = int(spec.engine_kwargs.get("tensor_parallel_size", 1) or 1)
+    placement = {}
+    if tp > 1:
+        cpus = cpus / tp
+        placement = {"placement_group_bundles": [{"CPU": cpus}] * tp, "placement_group_strategy": "STRICT_PACK"}
     replica = serve.deployment(
         KVReplica,
         name="KVReplica",
         num_replicas=spec.replicas,
         max_ongoing_requests=1024,
         ray_actor_options={"num_cpus": cpus},
+        **placement,
         request_router_config=router_config(spec.router, index_name or ""),
         health_check_period_s=2,
         health_check_timeout_s=30,
