@@ -154,7 +154,8 @@ def rows(results: Path) -> list[tuple[str, str, str, str]]:
                     f"slower ({r['stream_coll']:.0%} in all-reduce)")  # fmt: skip
 
         got = "; ".join(tp_row(r) for r in d["rows"] if r["tp"] > 1)
-        out.append((f"Tensor parallelism on {d['cores']} CPU cores (gloo): memory per rank, not speed", "",
+        out.append((f"Tensor parallelism on {d['cores']} CPU cores (gloo): memory per rank, not speed",
+                    "beyond the seeds (vLLM's Megatron-style split)",
                     got, "tensor_parallel"))  # fmt: skip
     return out
 
