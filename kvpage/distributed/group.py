@@ -10,6 +10,7 @@ closes) or time out after `timeout_s`; either way the caller's step fails instea
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from datetime import timedelta
@@ -27,8 +28,11 @@ class TPGroup:
         timeout = timedelta(seconds=timeout_s)
         self.device = torch.device(device)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
-        # rank 0 listens; the others connect (waiting up to the timeout for it)
-        self._store = dist.TCPStore(addr, port, size, rank == 0, timeout, wait_for_workers=True)
+        # rank 0 listens; the others connect (waiting up to the timeout for it). Under torchrun's static
+        # rendezvous its agent already serves a store at MASTER_PORT: every rank connects to that one.
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(addr, port, size, rank == 0 and not agent, timeout, wait_for_workers=not agent)
+        self._store = dist.PrefixStore("kvpage", store)
         # plain data (steps, counts) goes over gloo even beside nccl: it lives in host memory
         self._host = dist.ProcessGroupGloo(dist.PrefixStore("host", self._store), rank, size, timeout)
         if self.backend == "nccl":

@@ -99,3 +99,62 @@ def test_server_answers_503_and_exits_when_a_rank_dies(model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _wait_healthy(proc, url: str) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.2)
+
+
+def _greedy_text(model_dir: str, prompt: str, n: int) -> str:
+    with LLM(model_dir, **KW) as one:
+        return one.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0].outputs[0].text
+
+
+def test_ranks_launched_by_hand_join_rank_0_at_its_master_address(model_dir):
+    """As across machines: `kvpage tp-rank` started apart, rank 0 told --master-addr / --master-port."""
+    port = _free_port()
+    rank1 = subprocess.Popen([sys.executable, "-m", "kvpage.cli", "tp-rank", "--rank", "1", "-tp", "2",
+                              "--master-addr", "127.0.0.1", "--master-port", str(port), "--threads", "1"])  # fmt: skip
+    try:
+        with LLM(model_dir, tensor_parallel_size=2, master_addr="127.0.0.1", master_port=port, **KW) as llm:
+            assert llm.llm_engine.runner.ranks.procs == []  # nothing spawned here
+            got = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+            assert got[0].outputs[0].text == _greedy_text(model_dir, "The quick brown fox", 12)
+        assert rank1.wait(timeout=30) == 0  # told to stop, it left
+    finally:
+        if rank1.poll() is None:
+            rank1.kill()
+            rank1.wait()
+
+
+def test_kvpage_serve_under_torchrun(model_dir):
+    """torchrun starts two `kvpage serve`: rank 0 serves HTTP, rank 1 its share of every step."""
+    port, master = _free_port(), _free_port()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                "--master-port", str(master), "-m", "kvpage.cli", "serve", "--model", model_dir, "--port", str(port),
+                "--served-model-name", "dummy", "--tensor-parallel-size", "2", "--dtype", "float32",
+                "--num-kv-blocks", "64", "--max-model-len", "512"]  # fmt: skip
+    proc = subprocess.Popen(torchrun, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        got = client.completions.create(model="dummy", prompt="The quick brown fox", max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": True})  # fmt: skip
+        assert got.choices[0].text == _greedy_text(model_dir, "The quick brown fox", 12)
+        proc.send_signal(signal.SIGTERM)  # torchrun passes it on to both ranks
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
