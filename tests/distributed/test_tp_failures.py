@@ -11,13 +11,13 @@ import subprocess
 import sys
 import time
 
-import httpx
 import openai
 import pytest
 
 from kvpage import LLM, SamplingParams
 from kvpage.errors import TensorParallelFailure
 from tests.distributed.dummy import dummy_config, write_dummy_model
+from tests.server.conftest import wait_healthy
 
 KW = dict(dtype="float32", num_kv_blocks=64, max_model_len=512)
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -74,16 +74,7 @@ def test_server_answers_503_and_exits_when_a_rank_dies(model_dir):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+        wait_healthy(proc, url)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
         first = client.completions.create(model="dummy", prompt="Hello", max_tokens=8, temperature=0)
         assert first.usage.completion_tokens == 8
@@ -99,19 +90,6 @@ def test_server_answers_503_and_exits_when_a_rank_dies(model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def _wait_healthy(proc, url: str) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stderr.read()
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.2)
 
 
 def _greedy_text(model_dir: str, prompt: str, n: int) -> str:
@@ -147,7 +125,7 @@ def test_kvpage_serve_under_torchrun(model_dir):
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(proc, url)
+        wait_healthy(proc, url)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
         got = client.completions.create(model="dummy", prompt="The quick brown fox", max_tokens=12, temperature=0,
                                         extra_body={"ignore_eos": True})  # fmt: skip

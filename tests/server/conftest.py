@@ -52,6 +52,20 @@ def start_server(api_key: str | list[str] | None = None, app_kw: dict | None = N
     )
 
 
+def wait_healthy(proc, url: str, timeout: float = 120.0) -> None:
+    """Until the `kvpage serve` subprocess `proc` answers /health 200 (its stderr shown if it exits first)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.2)
+
+
 def stop_server(s) -> None:
     s.server.should_exit = True
     s.thread.join(timeout=30)

@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import assert_pool_free, start_server, stop_server
+from tests.server.conftest import assert_pool_free, start_server, stop_server, wait_healthy
 
 LONG = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 900, "min_tokens": 900, "ignore_eos": True}
 
@@ -34,16 +34,7 @@ def test_a_signal_stops_the_server_within_seconds_while_requests_run(sig):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+        wait_healthy(proc, url)
         answers: list = []
 
         def plain():
