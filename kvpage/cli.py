@@ -223,7 +223,8 @@ def _serve(args) -> int:
         raise ValueError("--max-prompts-per-request must be at least 1")
     if args.replicas is not None:
         return _serve_fleet(args, keys)
-    from kvpage.distributed.launch import launched_rank, serve_as_rank
+    from kvpage.distributed.launch import launched_rank
+    from kvpage.engine.tp_rank import serve_as_rank
 
     rank = launched_rank(args.tensor_parallel_size)
     if rank is not None:  # torchrun started this process as a rank other than 0: it serves rank 0's steps
@@ -507,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Joins rank 0 at --master-addr:--master-port, receives its engine config, "
                        "loads this rank's shard of the model and KV cache, and executes every step rank 0 "
                        "broadcasts until rank 0 stops. (Ranks on rank 0's own machine are spawned by it.)")  # fmt: skip
-    from kvpage.distributed.launch import add_rank_args, run_rank
+    from kvpage.engine.tp_rank import add_rank_args, run_rank
 
     add_rank_args(p)
     p.set_defaults(func=run_rank)

@@ -248,6 +248,13 @@ class EngineConfig:
             return
         if self.remote_kv is not None:  # each rank's blocks would need their own keys in the shared tier
             raise ValueError("tensor_parallel_size > 1 does not go with remote_kv (yet)")
+        if self.deterministic and (n > 2 or self.device != "cpu"):
+            raise ValueError(f"deterministic=True goes with tensor_parallel_size up to 2 on CPU, got {n} on "
+                             f"{self.device}: a ring all-reduce of 3+ ranks sums in an order that depends on the "
+                             "batch's size")  # fmt: skip
+        if self.device.startswith("cuda:"):  # each rank takes its own device (LOCAL_RANK)
+            raise ValueError(f"tensor_parallel_size > 1 takes device 'cuda' (rank r on GPU r), not {self.device!r}; "
+                             "choose the GPUs with CUDA_VISIBLE_DEVICES")  # fmt: skip
         if self.verify_kv_every and self.deterministic:  # the recompute runs the model on rank 0 alone
             raise ValueError("tensor_parallel_size > 1 does not go with verify_kv_every under deterministic "
                              "(the check recomputes prefixes on rank 0 alone)")  # fmt: skip

@@ -21,10 +21,17 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT_S = 300.0
 
 
+def group_timeout_s() -> float:
+    """How long a collective may wait: KVPAGE_TP_TIMEOUT_S, else DEFAULT_TIMEOUT_S (an idle engine's
+    ranks never wait that long: rank 0 pings them, rank_runner.py)."""
+    return float(os.environ.get("KVPAGE_TP_TIMEOUT_S") or DEFAULT_TIMEOUT_S)
+
+
 class TPGroup:
     def __init__(self, rank: int, size: int, addr: str, port: int, device: str = "cpu",
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:  # fmt: skip
+                 timeout_s: float | None = None) -> None:  # fmt: skip
         self.rank, self.size = rank, size
+        self.timeout_s = timeout_s = timeout_s or group_timeout_s()
         timeout = timedelta(seconds=timeout_s)
         self.device = torch.device(device)
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"

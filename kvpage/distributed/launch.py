@@ -1,19 +1,19 @@
 """Where a tensor-parallel group's ranks come from.
 
     spawned here        `LLM(tensor_parallel_size=N)` / `kvpage serve --tensor-parallel-size N`: ranks
-                        1..N-1 are started as `python -m kvpage.distributed.launch` on this machine
+                        1..N-1 are started as `python -m kvpage.engine.tp_rank` on this machine
                         (127.0.0.1, a free port), stopped by pid when the engine closes
     launched per rank   torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment) or, across
                         machines, rank 0 with --master-addr/--master-port and every other rank as
                         `kvpage tp-rank --rank R --tensor-parallel-size N --master-addr A --master-port P`
 
-Either way the other ranks receive rank 0's EngineConfig once joined, build their shard alike
-(engine/builder.py: build_shard) and serve steps until told to stop (rank_runner.py).
+Either way the other ranks (kvpage/engine/tp_rank.py) receive rank 0's EngineConfig once joined,
+build their shard alike (engine/builder.py: build_shard) and serve steps until told to stop
+(rank_runner.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import socket
@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kvpage.distributed.group import DEFAULT_TIMEOUT_S, TPGroup
+from kvpage.distributed.group import TPGroup
 
 log = logging.getLogger("kvpage")
 
@@ -91,31 +91,50 @@ def start_group(config) -> tuple[TPGroup, Ranks]:
     if rv.rank != 0:
         raise ValueError(f"this process is rank {rv.rank} of a launched group: run it with `kvpage tp-rank` "
                          "(or `kvpage serve` under torchrun), not as an engine")  # fmt: skip
-    procs, before = [], None
-    if rv.spawned:  # the ranks share this machine's cores: each (this one too) takes 1/N of its threads
-        before = _threads()
-        per_rank = max(1, before // rv.size)
-        _set_threads(per_rank)
-        threads = str(per_rank)
-        for r in range(1, rv.size):
-            cmd = [sys.executable, "-m", "kvpage.distributed.launch", "--rank", str(r), "--tensor-parallel-size",
-                   str(rv.size), "--master-addr", rv.addr, "--master-port", str(rv.port), "--threads", threads,
-                   "--device", config.device, "--tp-timeout", str(_timeout(config)), "--die-with-parent"]  # fmt: skip
-            procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
-    ranks = Ranks(procs, before)
+    ranks = Ranks([])
     try:
-        group = TPGroup(0, rv.size, rv.addr, rv.port, config.device, _timeout(config))
+        if rv.spawned:  # the ranks share this machine's cores: each (this one too) takes 1/N of its threads
+            ranks.threads_before = _threads()
+            per_rank = max(1, ranks.threads_before // rv.size)
+            _set_threads(per_rank)
+            for r in range(1, rv.size):
+                cmd = [sys.executable, "-m", "kvpage.engine.tp_rank", "--rank", str(r), "--tensor-parallel-size",
+                       str(rv.size), "--master-addr", rv.addr, "--master-port", str(rv.port), "--threads",
+                       str(per_rank), "--device", config.device, "--parent-pid", str(os.getpid())]  # fmt: skip
+                ranks.procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL))
+        group = _form_group(rv, config.device, ranks)
         group.broadcast(config)
     except BaseException:
-        for p in procs:
+        for p in ranks.procs:
             p.kill()
         ranks.stop()
         raise
     return group, ranks
 
 
-def _timeout(config) -> float:
-    return float(getattr(config, "tp_timeout", None) or DEFAULT_TIMEOUT_S)
+def _form_group(rv: Rendezvous, device: str, ranks: Ranks) -> TPGroup:
+    """The group, formed in a thread while the spawned ranks are watched: one that exits before
+    joining (a bad option, an import error) fails the start now, not at the store's timeout."""
+    box: dict = {}
+
+    def form() -> None:
+        try:
+            box["group"] = TPGroup(0, rv.size, rv.addr, rv.port, device)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            box["error"] = e
+
+    t = threading.Thread(target=form, name="kvpage-tp-rendezvous", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(0.2)
+        dead = ranks.dead()
+        if t.is_alive() and dead:
+            codes = [ranks.procs[r - 1].returncode for r in dead]
+            raise RuntimeError(f"rank(s) {dead} of the tensor-parallel group exited (status {codes}) before "
+                               "joining; their messages are above")  # fmt: skip
+    if "error" in box:
+        raise box["error"]
+    return box["group"]
 
 
 def _threads() -> int:
@@ -130,66 +149,17 @@ def _set_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
-def _die_with_parent() -> None:
+def watch_parent(parent_pid: int) -> None:
     """A spawned rank ends with the process that spawned it, however that one ended (a thread watches
-    the parent pid; PR_SET_PDEATHSIG would fire when the spawning *thread* ends)."""
-    parent = os.getppid()
+    its pid, given on the command line so that a parent gone before the watch starts counts too;
+    PR_SET_PDEATHSIG would fire when the spawning *thread* ends)."""
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while os.getppid() == parent_pid:
             time.sleep(0.5)
         os._exit(3)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def serve_as_rank(rank: int, size: int, addr: str, port: int, device: str = "cpu",
-                  timeout_s: float = DEFAULT_TIMEOUT_S) -> int:  # fmt: skip
-    """A rank other than 0: join, take rank 0's config, build this rank's shard, serve its steps."""
-    from kvpage.distributed.rank_runner import serve_steps
-    from kvpage.engine.builder import build_shard
-
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    group = TPGroup(rank, size, addr, port, device, timeout_s)
-    try:
-        config = group.broadcast()
-        shard = build_shard(config, group)
-        serve_steps(group, shard.runner)
-        return 0
-    finally:
-        group.close()
-
-
-def add_rank_args(p: argparse.ArgumentParser) -> None:
-    """`kvpage tp-rank`'s options (and this module's, run as the spawned ranks are)."""
-    p.add_argument("--rank", type=int, required=True, help="this process's rank, 1..N-1 (rank 0 is kvpage serve)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, required=True, metavar="N")
-    p.add_argument("--master-addr", required=True, help="where rank 0 listens (its --master-addr)")
-    p.add_argument("--master-port", type=int, required=True)
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda (this rank's GPU: LOCAL_RANK, else --rank)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads for this rank (default: torch's)")
-    p.add_argument("--tp-timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds a collective may wait")
-    p.add_argument("--die-with-parent", action="store_true", help=argparse.SUPPRESS)  # spawned by rank 0
-
-
-def run_rank(a: argparse.Namespace) -> int:
-    if not 0 < a.rank < a.tensor_parallel_size:
-        raise ValueError(f"--rank must be in [1, {a.tensor_parallel_size}) (rank 0 is the engine: kvpage serve)")
-    if a.die_with_parent:
-        _die_with_parent()
-    logging.basicConfig(level=logging.WARNING, format=f"[rank {a.rank}] %(levelname)s %(message)s")
-    if a.threads:
-        import torch
-
-        torch.set_num_threads(a.threads)
-    try:
-        return serve_as_rank(a.rank, a.tensor_parallel_size, a.master_addr, a.master_port, a.device, a.tp_timeout)
-    except ValueError as e:  # a refusal rank 0 reports too (a head count the size does not divide, ...)
-        log.error("stopped: %s", e)
-        return 1
 
 
 def launched_rank(tensor_parallel_size: int) -> Rendezvous | None:
@@ -200,13 +170,3 @@ def launched_rank(tensor_parallel_size: int) -> Rendezvous | None:
             raise ValueError(f"WORLD_SIZE={env.get('WORLD_SIZE')} but --tensor-parallel-size {tensor_parallel_size}")
         return Rendezvous(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["RANK"]), tensor_parallel_size, False)
     return None
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvpage tp-rank", description="one rank (not 0) of a tensor-parallel group")
-    add_rank_args(p)
-    return run_rank(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,6 +7,7 @@ max_model_len checked against it, and every component made.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -71,15 +72,31 @@ def build_engine(config: EngineConfig) -> EngineParts:
     from kvpage.distributed.launch import start_group
     from kvpage.distributed.rank_runner import RankZeroRunner
 
+    _check_split(config)
     group, ranks = start_group(config)
     try:
         parts = _build(config, group)
     except BaseException:
+        with contextlib.suppress(Exception):  # (ranks that failed with this one have left already)
+            group.broadcast(("stop",))  # ranks past their build wait for steps: none will come
         ranks.stop()
         group.close()
         raise
     parts.runner = RankZeroRunner(parts.runner, group, ranks)
     return parts
+
+
+def _check_split(config: EngineConfig) -> None:
+    """Refuse a size the model's heads do not allow before any rank is started (the model's shape from
+    its config.json or GGUF header; a model that cannot be read so is checked when each rank loads it)."""
+    from kvpage.tools.kv_estimate import resolve_shape
+
+    try:
+        shape = resolve_shape(config.model)
+    except Exception:  # noqa: BLE001 - not readable without loading: the ranks' load checks it
+        return
+    if shape.dims is not None:
+        shape.per_rank(config.tensor_parallel_size)
 
 
 @dataclass(slots=True)
@@ -108,17 +125,24 @@ def build_shard(config: EngineConfig, group=None) -> ShardParts:
     shard = Shard(group.rank, group.size) if group is not None else SINGLE
     dtype_name, dtype_reason = choose_dtype(config.dtype, config.device)
     dtype = parse_dtype(dtype_name)
-    loaded = load_model(config.model, dtype=dtype, device=config.device, backend=config.attention_backend,
-                        weight_dtype=config.weight_dtype, shard=shard, comm=group)  # fmt: skip
-    if config.deterministic:
-        make_batch_invariant(loaded.model)
-    backend = loaded.model.attention_backend
-    local = loaded.model.config  # this rank's heads: its KV is 1/N of the whole (times any replication)
     bounds = config.kv_read_budget is not None  # the key bounds a read budget chooses blocks by
-    per_block = KVCache.bytes_per_block(local, config.block_size, dtype, config.kv_cache_dtype, bounds)
-    num_blocks, note = _num_blocks(config, loaded, dtype, per_block)
+    try:
+        loaded = load_model(config.model, dtype=dtype, device=config.device, backend=config.attention_backend,
+                            weight_dtype=config.weight_dtype, shard=shard, comm=group)  # fmt: skip
+        if config.deterministic:
+            make_batch_invariant(loaded.model)
+        local = loaded.model.config  # this rank's heads: its KV is 1/N of the whole (times any replication)
+        per_block = KVCache.bytes_per_block(local, config.block_size, dtype, config.kv_cache_dtype, bounds)
+        num_blocks, note = _num_blocks(config, loaded, dtype, per_block)
+    except Exception:
+        if group is not None:
+            group.min(0)  # the other ranks fail with this one, not at a collective it never reaches
+        raise
     if group is not None:
         num_blocks = group.min(num_blocks)
+        if num_blocks == 0:
+            raise RuntimeError("another rank of the tensor-parallel group could not build its shard (its log says why)")
+    backend = loaded.model.attention_backend
     num_blocks, cold = _demoted_pools(config, local, per_block, num_blocks)
     num_cpu_blocks = int(config.swap_space) // per_block
     num_tier_blocks = int(config.cpu_offload_memory) // per_block

@@ -48,6 +48,9 @@ class ModelRunner:
     ):
         self.model = model
         self.group, self.computes_logits = group, computes_logits
+        # set once a step's last collective is done (under tensor parallelism a failure after it is rank
+        # 0's alone: the batch fails, the ranks stay in step; before it, the group cannot go on)
+        self.collectives_done = True
         self.kv_cache = kv_cache
         self.remote = remote
         self.device = torch.device(device)
@@ -87,6 +90,7 @@ class ModelRunner:
             self.selective_tokens["candidates"] += selective.num_candidates
             self.selective_tokens["recomputed"] += selective.num_kept
         mass, cold = self._attention_mass(inputs.meta)  # (a collective under tensor parallelism: every rank)
+        self.collectives_done = True
         if not self.computes_logits:
             self._write_through(step)
             return ModelRunnerOutput([], torch.empty(0))

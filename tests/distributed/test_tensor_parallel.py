@@ -4,6 +4,8 @@ beside a TP=1 engine of the same weights; each check compares the two."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvpage import LLM, SamplingParams
@@ -151,8 +153,14 @@ def test_decodes_take_the_fused_path_in_halves(pair, monkeypatch):
 
 def test_refusals(pair, tmp_path):
     cfg, one, _ = pair
+    t0 = time.monotonic()
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's 4 attention heads"):
         LLM(one.llm_engine.config.model, tensor_parallel_size=3, **KW)
+    assert time.monotonic() - t0 < 2, "refused only after starting ranks"  # (read from config.json first)
+    with pytest.raises(ValueError, match="deterministic=True goes with tensor_parallel_size up to 2"):
+        LLM(one.llm_engine.config.model, tensor_parallel_size=4, deterministic=True, **KW)
+    with pytest.raises(ValueError, match="takes device 'cuda'"):
+        LLM(one.llm_engine.config.model, tensor_parallel_size=2, device="cuda:1", **KW)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         LLM(one.llm_engine.config.model, tensor_parallel_size=0, **KW)
     with pytest.raises(ValueError, match="master_addr and master_port go together"):

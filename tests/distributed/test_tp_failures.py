@@ -55,6 +55,39 @@ def test_a_dead_rank_ends_the_engine(model_dir, watched):
         assert time.monotonic() - t0 < 15
 
 
+def test_an_idle_engine_keeps_its_ranks_past_the_group_timeout(model_dir, monkeypatch):
+    """The ranks wait for the next step inside a collective that times out; rank 0 pings them while idle."""
+    monkeypatch.setenv("KVPAGE_TP_TIMEOUT_S", "3")  # (read by rank 0's group and the spawned ranks')
+    with LLM(model_dir, tensor_parallel_size=2, **KW) as llm:
+        first = llm.generate(["Hello there"], GREEDY)[0].outputs[0].token_ids
+        time.sleep(8)  # idle for well past the timeout
+        assert not llm.llm_engine.runner.ranks.dead()
+        assert llm.generate(["Hello there"], GREEDY)[0].outputs[0].token_ids == first
+
+
+def test_a_failure_after_the_steps_collectives_fails_only_its_batch(model_dir, monkeypatch):
+    """Rank 0's logits come after the step's last all-reduce: if they fail, the ranks are still in step
+    and the engine goes on, as in one process (before it, the group could not)."""
+    with LLM(model_dir, tensor_parallel_size=2, **KW) as llm:
+        model = llm.llm_engine.runner.model
+        real = model.compute_logits
+        calls = []
+
+        def once(hidden):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("out of memory (simulated) in rank 0's logits")
+            return real(hidden)
+
+        monkeypatch.setattr(model, "compute_logits", once)
+        failed = llm.generate(["Hello there"], GREEDY)[0]
+        assert failed.error is not None and "simulated" in failed.error
+        monkeypatch.undo()
+        again = llm.generate(["Hello there"], GREEDY)[0]
+        assert again.error is None and len(again.outputs[0].token_ids) == 16
+        assert len(set(llm.llm_engine.runner.digests())) == 1
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -62,7 +95,7 @@ def _free_port() -> int:
 
 
 def _children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "kvpage.distributed.launch"], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "kvpage.engine.tp_rank"], capture_output=True, text=True)
     return [int(x) for x in out.stdout.split()]
 
 

@@ -31,7 +31,7 @@ def test_a_replica_is_a_tp_group_in_its_own_placement_group(tmp_path, smollm2):
     with LLM(model, **ENGINE) as one:
         want = one.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
     spec = FleetSpec({**ENGINE, "model": model, "tensor_parallel_size": 2}, replicas=1, router="round_robin",
-                     port=_free_port(), app_kwargs={"served_model_name": "dummy"})  # fmt: skip
+                     cpus_per_replica=1.8, port=_free_port(), app_kwargs={"served_model_name": "dummy"})  # fmt: skip
     with Fleet(spec, num_cpus=2) as fleet:
         c = openai.OpenAI(base_url=fleet.url, api_key="x", max_retries=0, timeout=120)
         got = c.completions.create(model="dummy", prompt=prompt, max_tokens=12, temperature=0,
@@ -40,5 +40,10 @@ def test_a_replica_is_a_tp_group_in_its_own_placement_group(tmp_path, smollm2):
         groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
         assert len(groups) == 1 and groups[0]["strategy"] == "STRICT_PACK"
         assert [b.get("CPU") for b in groups[0]["bundles"].values()] == [0.9, 0.9]
-        ranks = subprocess.run(["pgrep", "-f", "kvpage.distributed.launch --rank 1"], capture_output=True, text=True)
-        assert ranks.stdout.split(), "the replica's second rank is not running"
+        # the replica's second rank runs, spawned by the replica's own Ray worker
+        ranks = subprocess.run(["pgrep", "-f", "kvpage.engine.tp_rank --rank 1"], capture_output=True, text=True)
+        parents = [subprocess.run(["ps", "-o", "ppid=", "-p", pid], capture_output=True, text=True).stdout.strip()
+                   for pid in ranks.stdout.split()]  # fmt: skip
+        titles = [subprocess.run(["ps", "-o", "args=", "-p", pp], capture_output=True, text=True).stdout
+                  for pp in parents if pp]  # fmt: skip
+        assert any("KVReplica" in t for t in titles), titles
