@@ -14,7 +14,6 @@ build their shard alike (engine/builder.py: build_shard) and serve steps until t
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import subprocess
@@ -23,9 +22,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from kvpage.distributed.group import TPGroup
+import torch
 
-log = logging.getLogger("kvpage")
+from kvpage.distributed.group import TPGroup
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +40,9 @@ def rendezvous(config) -> Rendezvous:
     """Where rank 0 meets the others: torchrun's environment, the config's master address, or a free
     local port (the other ranks then spawned here)."""
     size = config.tensor_parallel_size
-    env = os.environ
-    if "RANK" in env and "MASTER_ADDR" in env and int(env.get("WORLD_SIZE", "0")) == size:
-        return Rendezvous(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["RANK"]), size, False)
+    launched = torchrun_rendezvous(size)
+    if launched is not None:
+        return launched
     if config.master_addr is not None:
         return Rendezvous(config.master_addr, config.master_port, 0, size, False)
     return Rendezvous("127.0.0.1", free_port(), 0, size, True)
@@ -81,7 +80,7 @@ class Ranks:
                 p.kill()
                 p.wait()
         if self.threads_before is not None:
-            _set_threads(self.threads_before)
+            torch.set_num_threads(self.threads_before)
             self.threads_before = None
 
 
@@ -94,9 +93,9 @@ def start_group(config) -> tuple[TPGroup, Ranks]:
     ranks = Ranks([])
     try:
         if rv.spawned:  # the ranks share this machine's cores: each (this one too) takes 1/N of its threads
-            ranks.threads_before = _threads()
+            ranks.threads_before = torch.get_num_threads()
             per_rank = max(1, ranks.threads_before // rv.size)
-            _set_threads(per_rank)
+            torch.set_num_threads(per_rank)
             for r in range(1, rv.size):
                 cmd = [sys.executable, "-m", "kvpage.engine.tp_rank", "--rank", str(r), "--tensor-parallel-size",
                        str(rv.size), "--master-addr", rv.addr, "--master-port", str(rv.port), "--threads",
@@ -137,18 +136,6 @@ def _form_group(rv: Rendezvous, device: str, ranks: Ranks) -> TPGroup:
     return box["group"]
 
 
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
-def _set_threads(n: int) -> None:
-    import torch
-
-    torch.set_num_threads(n)
-
-
 def watch_parent(parent_pid: int) -> None:
     """A spawned rank ends with the process that spawned it, however that one ended (a thread watches
     its pid, given on the command line so that a parent gone before the watch starts counts too;
@@ -162,11 +149,18 @@ def watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def torchrun_rendezvous(size: int) -> Rendezvous | None:
+    """This process's place in a group torchrun launched (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), if
+    it was launched so for a group of `size`; a WORLD_SIZE that is not `size` is refused."""
+    env = os.environ
+    if size == 1 or "RANK" not in env or "MASTER_ADDR" not in env:
+        return None
+    if int(env.get("WORLD_SIZE", "0")) != size:
+        raise ValueError(f"WORLD_SIZE={env.get('WORLD_SIZE')} but --tensor-parallel-size {size}")
+    return Rendezvous(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["RANK"]), size, False)
+
+
 def launched_rank(tensor_parallel_size: int) -> Rendezvous | None:
     """Under torchrun, the rendezvous of a rank other than 0 (`kvpage serve` then serves steps, not HTTP)."""
-    env = os.environ
-    if tensor_parallel_size > 1 and "RANK" in env and "MASTER_ADDR" in env and int(env["RANK"]) > 0:
-        if int(env.get("WORLD_SIZE", "0")) != tensor_parallel_size:
-            raise ValueError(f"WORLD_SIZE={env.get('WORLD_SIZE')} but --tensor-parallel-size {tensor_parallel_size}")
-        return Rendezvous(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["RANK"]), tensor_parallel_size, False)
-    return None
+    rv = torchrun_rendezvous(tensor_parallel_size)
+    return rv if rv is not None and rv.rank > 0 else None
