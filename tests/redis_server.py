@@ -21,7 +21,9 @@ def free_port() -> int:
 def start_redis(maxmemory: str = "512mb") -> SimpleNamespace:
     exe = shutil.which("redis-server")
     if exe is None:
-        pytest.skip("redis-server is not installed (make install installs Debian's redis-server)")
+        pytest.skip(
+            "redis-server is not installed (`make test` installs Debian's redis-server as root, or prints the command)"
+        )
     port = free_port()
     proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
                              "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"],

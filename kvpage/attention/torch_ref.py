@@ -108,10 +108,24 @@ class TorchReferenceBackend:
 
     def _decodes_within_budget(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
         """Each decode over the blocks its read budget chooses, per kv head (key_bounds.py): the
-        reference the compiled kernel is tested against, one sequence at a time."""
+        reference the compiled kernel is tested against, one sequence at a time.
+
+        A decode whose budget covers its sequence reads everything by the dense path's own code: its
+        decode group is attended exactly as without a budget (same rows, same shapes, so the same
+        GEMM kernels and summation order on any CPU), and only the rows a budget restricts are then
+        attended over their chosen blocks. A second formula for the full read would agree only to
+        the rounding, and which rounding depends on the BLAS kernel the CPU picks (Zen 4 and
+        Sapphire Rapids pick differently)."""
         bs, kv_heads = meta.block_size, kv.k.shape[1]
         group = q.shape[1] // kv_heads
+        budgets = meta.read_blocks.tolist()  # type: ignore[union-attr]
+        restricted = [0 < budgets[i] < cdiv(meta.seq_lens_list[i], bs) for i in range(meta.num_decodes)]
+        for rows, max_len, bias in meta.decode_groups:
+            if not all(restricted[r] for r in rows.tolist()):
+                out[rows] = self._decode_group(q[rows], rows, max_len, bias, kv, meta, scale)
         for i in range(meta.num_decodes):
+            if not restricted[i]:
+                continue
             n, table = meta.seq_lens_list[i], meta.block_tables[i]
             qi = q[i].float() * scale  # [heads, d]
             chosen = key_bounds.choose_blocks(qi, kv, table, n, int(meta.read_blocks[i]))  # type: ignore[index]

@@ -5,7 +5,6 @@ recomputed; a server that is down or dies mid-run is skipped with a warning and 
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 import redis
@@ -73,13 +72,12 @@ def test_a_damaged_block_is_refused_and_recomputed(prompts, hf_f32_greedy, redis
 
 def test_a_server_that_is_down_is_skipped_with_a_warning(prompts, hf_f32_greedy, caplog):
     caplog.set_level(logging.WARNING, logger="kvpage.remote_kv")
-    t0 = time.monotonic()
     llm = engine(f"redis://127.0.0.1:{free_port()}")  # nothing listens there
+    llm.llm_engine.remote.retry_after = 3600.0  # not asked again within this test, however slow the machine
     assert tokens_of(llm, prompts[6]) == hf_f32_greedy[6][0][:N]
     rs = llm.llm_engine.remote.stats
-    assert not rs.up and rs.errors >= 1 and rs.hit_blocks == 0
+    assert not rs.up and rs.errors == 1 and rs.hit_blocks == 0  # asked once, then skipped at once
     assert any("unreachable" in r.getMessage() for r in caplog.records)
-    assert time.monotonic() - t0 < 60
     assert_clean(llm)
 
 
@@ -93,11 +91,10 @@ def test_a_server_that_dies_mid_run_changes_nothing_but_the_hits(prompts, hf_f32
         assert llm.llm_engine.remote.stats.up
     finally:
         stop_redis(r)
-    t0 = time.monotonic()
+    llm.llm_engine.remote.retry_after = 3600.0
     assert tokens_of(llm, prompts[2]) == hf_f32_greedy[2][0][:N]  # its lookup and writes fail: skipped
-    assert time.monotonic() - t0 < 30
     rs = llm.llm_engine.remote.stats
-    assert not rs.up and rs.errors >= 1
+    assert not rs.up and rs.errors == 1  # the first failure marks it down; nothing after it waits on it
     assert any("unreachable" in rec.getMessage() for rec in caplog.records)
     assert_clean(llm)
     llm.llm_engine.kv_manager.check_invariants()
