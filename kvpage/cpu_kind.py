@@ -37,6 +37,16 @@ _ADDS = {
     "amx": {"amx_bf16", "amx_tile"},
 }
 _MARCH = {"avx2": "haswell", "avx512": "skylake-avx512", "avx512_bf16": "cooperlake", "amx": "sapphirerapids"}
+# The flags each -march lets the compiler emit on its own (scalar bit tricks, vector ISA), cumulative
+# with the kinds below: a machine of a kind builds for its kind's -march only when it has them all,
+# so a real Zen 4 and an AMX machine emulating avx512_bf16 compile the very same kernels.
+_MARCH_NEEDS = {
+    "avx2": {"avx2", "fma", "bmi1", "bmi2", "movbe", "f16c", "abm", "popcnt"},
+    "avx512": {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "adx"},
+    "avx512_bf16": {"avx512_vnni", "avx512_bf16"},
+    "amx": {"amx_tile", "amx_bf16", "amx_int8", "avx512_fp16", "avx512vbmi", "avx512_vbmi2", "avx512_bitalg",
+            "avx512_vpopcntdq", "avx512ifma", "gfni", "vaes", "vpclmulqdq", "avx_vnni"},
+}  # fmt: skip
 # torch's own dispatch for each emulated kind (ATen has default / avx2 / avx512 on x86)
 _TORCH = {
     "generic": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
@@ -114,10 +124,12 @@ def machine() -> tuple[str, set[str]]:
 
 
 def march(flags: set[str], kind: str | None) -> str:
-    """The compiler's -march for the kernels: native on the machine's own kind, the kind's CPU otherwise."""
+    """The compiler's -march for the kernels: the kind's CPU, on a machine of that kind as under its
+    emulation; native on the machine's own kind when it lacks a flag that CPU implies (or is below avx2)."""
     chosen, _ = effective(flags, kind)
     if chosen == kind_of(flags):
-        return "native"
+        needs = set().union(*(_MARCH_NEEDS[k] for k in KINDS[1 : KINDS.index(chosen) + 1]))
+        return _MARCH[chosen] if chosen in _MARCH and needs <= flags else "native"
     return _MARCH.get(chosen, "x86-64-v2")
 
 

@@ -45,11 +45,23 @@ def test_a_kind_the_cpu_cannot_execute_or_an_unknown_name_is_refused_naming_the_
     assert cpu_kind.requested({"KVPAGE_CPU_KIND": ""}) is None and cpu_kind.requested({}) is None
 
 
+# the flags a real machine of each kind shows (/proc/cpuinfo, the ones -march lets the compiler emit)
+REAL_HASWELL = HASWELL | {"bmi1", "bmi2", "movbe", "f16c", "abm", "popcnt"}
+REAL_ZEN4 = ZEN4 | REAL_HASWELL | {"avx512cd", "adx", "avx512vbmi", "gfni", "vaes"}
+REAL_SAPPHIRE = SAPPHIRE | REAL_ZEN4 | {"avx512_fp16", "avx512_bitalg", "avx512_vpopcntdq", "avx512ifma",
+                                        "vpclmulqdq", "avx_vnni"}  # fmt: skip
+
+
 def test_each_kind_builds_for_its_own_cpu_and_points_torch_at_it():
-    assert cpu_kind.march(SAPPHIRE, None) == cpu_kind.march(SAPPHIRE, "amx") == "native"
+    # a machine of a kind builds for that kind's CPU, as its emulation on a higher machine does
+    assert cpu_kind.march(REAL_ZEN4, None) == cpu_kind.march(REAL_SAPPHIRE, "avx512_bf16") == "cooperlake"
+    assert cpu_kind.march(REAL_SAPPHIRE, None) == cpu_kind.march(REAL_SAPPHIRE, "amx") == "sapphirerapids"
+    assert cpu_kind.march(REAL_HASWELL, None) == cpu_kind.march(REAL_ZEN4, "avx2") == "haswell"
     assert [cpu_kind.march(SAPPHIRE, k) for k in ("avx512_bf16", "avx512", "avx2", "generic")] == [
         "cooperlake", "skylake-avx512", "haswell", "x86-64-v2"]  # fmt: skip
-    assert cpu_kind.march(HASWELL, "avx2") == "native"
+    # a machine without a flag its kind's CPU implies (a VM hiding bmi2, say) builds for itself
+    assert cpu_kind.march(SAPPHIRE, None) == cpu_kind.march(HASWELL, "avx2") == "native"
+    assert cpu_kind.march(REAL_ZEN4 - {"bmi2"}, None) == "native" and cpu_kind.march(set(), None) == "native"
     assert cpu_kind.torch_env("avx2") == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
                                           "MKL_ENABLE_INSTRUCTIONS": "AVX2"}  # fmt: skip
     assert cpu_kind.torch_env("avx512_bf16")["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16"
