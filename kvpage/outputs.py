@@ -1,4 +1,5 @@
-"""What the engine returns, with vLLM's names: RequestOutput, CompletionOutput, Logprob."""
+"""What the engine returns, with vLLM's names: RequestOutput, CompletionOutput, Logprob, and for
+`LLM.beam_search` BeamSearchOutput (a RequestOutput that also carries vLLM's `.sequences`)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,25 @@ class RequestOutput:
     rejected: bool = False  # the error is the request's own: it can never run here (a 400, not a 500)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's; OpenAI's cached_tokens)
     metrics: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One final beam as vLLM's offline `LLM.beam_search` gives it: `tokens` are the prompt's then the
+    generated ones (the EOS included), `text` decodes all of them (special tokens kept), `logprobs`
+    has one entry per generated token."""
+
+    tokens: list[int]
+    logprobs: list[PositionLogprobs]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchOutput(RequestOutput):
+    """A beam search's RequestOutput (its `outputs` are the beams, best first, generated part only)
+    with vLLM's `sequences`: the same beams in the same order as BeamSearchSequences."""
+
+    sequences: list[BeamSearchSequence] = field(default_factory=list)

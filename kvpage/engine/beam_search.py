@@ -14,7 +14,10 @@ and a pruned beam is finished at once, so its blocks go back to the pool. The ru
     done        = t == max_tokens, or k hypotheses are finished and the best running beam's
                   score / t ** length_penalty is not above the worst finished one
 
-The result is the finished hypotheses, best first by their length-normalised score.
+The result is the finished hypotheses, best first by their length-normalised score. Each beam's
+per-step log-probabilities (the chosen token's and its row's top candidates, as vLLM's beams carry
+them) are a chain of `_Step`s pointing at the parent's, so a fork copies nothing; a finished
+hypothesis walks its chain back once.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpage.core.request import Request, Sequence
-from kvpage.outputs import CompletionOutput
+from kvpage.outputs import CompletionOutput, Logprob, PositionLogprobs
 
 _NEG = -1e9
 
@@ -38,11 +41,24 @@ def _length_norm(t: int, length_penalty: float) -> float:
 
 
 @dataclass(slots=True)
+class _Step:
+    """One generated token of a beam: its log-probability and rank, the row's top candidates, and
+    the step before it (None at the first generated token)."""
+
+    prev: _Step | None
+    token: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
 class _Hypothesis:
     token_ids: list[int]  # generated tokens, the EOS included
     score: float  # length-normalised
     cumulative_logprob: float
     finish_reason: str
+    last: _Step
 
 
 @dataclass(slots=True)
@@ -62,6 +78,7 @@ class BeamSearch:
     scores: dict[int, torch.Tensor] = field(default_factory=dict)  # beam index -> float32 summed logprob
     order: list[int] = field(default_factory=list)  # beam indices in rank order
     finished: list[_Hypothesis] = field(default_factory=list)
+    steps: dict[int, _Step | None] = field(default_factory=dict)  # beam index -> its newest token's step
     _pending: dict[int, torch.Tensor] = field(default_factory=dict)
     _next_index: int = 1
     step_no: int = 0
@@ -78,6 +95,7 @@ class BeamSearch:
         if not self.order:  # the first step: the prompt is the only beam
             self.order = [live[0].index]
             self.scores = {live[0].index: torch.zeros((), dtype=torch.float32)}
+            self.steps = {live[0].index: None}
         order = [i for i in self.order if i in by_index]
         lp = torch.stack([torch.log_softmax(self._pending[i].float(), dim=-1) for i in order])
         acc = lp + torch.stack([self.scores[i] for i in order])[:, None]
@@ -89,20 +107,26 @@ class BeamSearch:
         t = self.step_no
         at_limit = t >= self.max_tokens
         norm = vals / _length_norm(t, self.length_penalty)
-        running: list[tuple[Sequence, int, torch.Tensor]] = []
+        # each row's own top candidates: a chosen token ranks among them (acc's row is lp's row plus a constant)
+        row_vals, row_ids = torch.topk(lp, min(num_cand, vocab), dim=-1)
+        row_top = [list(zip(i, v, strict=True)) for i, v in zip(row_ids.tolist(), row_vals.tolist(), strict=True)]
+        running: list[tuple[Sequence, int, torch.Tensor, _Step]] = []
         new_finished = []
         for j in range(num_cand):
-            parent = by_index[order[int(idx[j]) // vocab]]
+            r = int(idx[j]) // vocab
+            parent = by_index[order[r]]
             token = int(idx[j]) % vocab
             stopped = token in self.eos_token_ids or at_limit
+            if (stopped and j >= k) or (not stopped and len(running) >= k):
+                continue  # a stopped candidate ranked below k, or the running beams are complete
+            step = self._step(parent.index, token, lp[r], row_top[r])
             if stopped:
-                if j < k:
-                    reason = "stop" if token in self.eos_token_ids else "length"
-                    new_finished.append(
-                        _Hypothesis(parent.output_token_ids + [token], float(norm[j]), float(vals[j]), reason)
-                    )
-            elif len(running) < k:
-                running.append((parent, token, vals[j]))
+                reason = "stop" if token in self.eos_token_ids else "length"
+                new_finished.append(
+                    _Hypothesis(parent.output_token_ids + [token], float(norm[j]), float(vals[j]), reason, step)
+                )
+            else:
+                running.append((parent, token, vals[j], step))
         # stable sort: on equal scores, earlier hypotheses stay ahead of new ones
         self.finished = sorted(self.finished + new_finished, key=lambda h: -h.score)[:k]
         done = at_limit or not running
@@ -113,8 +137,8 @@ class BeamSearch:
             return BeamPlan([], True)
         plan = BeamPlan([], False)
         used: set[int] = set()
-        new_scores = {}
-        for parent, token, score in running:
+        new_scores, new_steps = {}, {}
+        for parent, token, score, step in running:
             if parent.index in used:
                 index = self._next_index
                 self._next_index += 1
@@ -123,15 +147,31 @@ class BeamSearch:
                 index = parent.index
             plan.continue_.append((parent, token, index))
             new_scores[index] = score
+            new_steps[index] = step
         self.order, self.scores = [index for _, _, index in plan.continue_], new_scores
+        self.steps = new_steps
         return plan
+
+    def _step(self, parent: int, token: int, lp_row: torch.Tensor, top: list[tuple[int, float]]) -> _Step:
+        for rank, (t, v) in enumerate(top, 1):
+            if t == token:
+                return _Step(self.steps[parent], token, v, rank, top)
+        # a tie at the top-k boundary broken the other way: the chosen token's own value and rank
+        v = lp_row[token]
+        return _Step(self.steps[parent], token, float(v), int((lp_row > v).sum()) + 1, top)
 
     def outputs(self, tokenizer, req: Request) -> list[CompletionOutput]:
         """The finished hypotheses, best first, once the request is done; until then the running beams."""
         if req.finished:
+            decoded: dict[int, str] = {}
             return [
                 CompletionOutput(
-                    i, tokenizer.decode(h.token_ids), h.token_ids, h.cumulative_logprob, None, h.finish_reason
+                    i,
+                    tokenizer.decode(h.token_ids),
+                    h.token_ids,
+                    h.cumulative_logprob,
+                    _logprobs(h.last, tokenizer, decoded),
+                    h.finish_reason,
                 )  # fmt: skip
                 for i, h in enumerate(self.finished)
             ]
@@ -147,3 +187,23 @@ class BeamSearch:
             )  # fmt: skip
             for i, s in enumerate(running)
         ]
+
+
+def _logprobs(last: _Step, tokenizer, decoded: dict[int, str]) -> list[PositionLogprobs]:
+    """Per generated token: the chosen token first, then its row's top candidates (vLLM's beam logprobs)."""
+
+    def text(t: int) -> str:
+        if t not in decoded:
+            decoded[t] = tokenizer.decode([t], skip_special_tokens=False)
+        return decoded[t]
+
+    out: list[PositionLogprobs] = []
+    step: _Step | None = last
+    while step is not None:
+        pos = {step.token: Logprob(step.logprob, step.rank, text(step.token))}
+        for rank, (t, v) in enumerate(step.top, 1):
+            if t not in pos:
+                pos[t] = Logprob(v, rank, text(t))
+        out.append(pos)
+        step = step.prev
+    return out[::-1]

@@ -18,7 +18,7 @@ from kvpage.config import EngineConfig
 from kvpage.core import CacheStats
 from kvpage.engine.llm_engine import LLMEngine
 from kvpage.engine.segment_prompts import SegmentedPrompt
-from kvpage.outputs import RequestOutput
+from kvpage.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams
 
 # (vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts are accepted too, and {"segments": [...]}:
@@ -95,12 +95,14 @@ class LLM:
 
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
-    ) -> list[RequestOutput]:
-        """One RequestOutput per prompt; its outputs are the final beams, best first."""
+    ) -> list[BeamSearchOutput]:
+        """One BeamSearchOutput per prompt: a RequestOutput whose outputs are the final beams, best
+        first, and whose `sequences` are the same beams in vLLM's shape (prompt + generated tokens)."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError("params must be a BeamSearchParams")
         prompt_list = _as_prompt_list(prompts)
-        return self._run(prompt_list, [params] * len(prompt_list), use_tqdm)
+        outs = self._run(prompt_list, [params] * len(prompt_list), use_tqdm)
+        return [_beam_search_output(out, self.llm_engine.tokenizer) for out in outs]
 
     def _run(self, prompts: list[Prompt], params: list, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -140,6 +142,17 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[rid] for rid in ids]
+
+
+def _beam_search_output(out: RequestOutput, tokenizer) -> BeamSearchOutput:
+    fields = {name: getattr(out, name) for name in RequestOutput.__dataclass_fields__}
+    sequences = []
+    for c in out.outputs:
+        tokens = out.prompt_token_ids + c.token_ids
+        sequences.append(BeamSearchSequence(tokens, c.logprobs or [], c.cumulative_logprob or 0.0,
+                                            tokenizer.decode(tokens, skip_special_tokens=False),
+                                            c.finish_reason, c.stop_reason))  # fmt: skip
+    return BeamSearchOutput(**fields, sequences=sequences)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

@@ -1,7 +1,8 @@
 """Read a GGUF file (llama.cpp's format) through the `gguf` library: config, tokenizer and weights.
 
 Weights are dequantized by `gguf.quants.dequantize` (Q4_0, Q4_1, Q8_0, the K-quants, F16, BF16,
-F32, ...) into float32 and renamed to Hugging Face names. llama.cpp's converter permutes the rows
+F32, ...) into float32 and renamed to Hugging Face names; `read_gguf_blocks` keeps each matrix as
+the file holds it instead (for the conversion cache: gguf_blocks.py). llama.cpp's converter permutes the rows
 of q and k of LLaMA models (its RoPE rotates adjacent pairs; Hugging Face rotates the two halves of
 each head); `unpermute_qk` undoes that, per head:
 
@@ -102,7 +103,18 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
 
 def read_gguf(path: Path) -> tuple[ModelConfig, Tokenizer, dict[str, np.ndarray]]:
     """Config, tokenizer and float32 weights (Hugging Face names) of a GGUF file."""
-    from gguf import GGUFReader
+    cfg, tokenizer, weights, _ = _read(path, keep_blocks=False)
+    return cfg, tokenizer, weights
+
+
+def read_gguf_blocks(path: Path) -> tuple[ModelConfig, Tokenizer, dict[str, np.ndarray], dict[str, str]]:
+    """As read_gguf, but every matrix not stored as F32 stays as the file holds it: F16 as float16,
+    other types as uint8 rows of blocks, their type's name in the fourth value (gguf_blocks.py)."""
+    return _read(path, keep_blocks=True)
+
+
+def _read(path: Path, keep_blocks: bool):
+    from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
     try:
@@ -114,18 +126,24 @@ def read_gguf(path: Path) -> tuple[ModelConfig, Tokenizer, dict[str, np.ndarray]
     cfg = config_from_metadata(meta, names)
     tokenizer = Tokenizer.from_gguf_metadata(meta)
     weights: dict[str, np.ndarray] = {}
+    types: dict[str, str] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
-        try:
-            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        keep = keep_blocks and t.tensor_type != GGMLQuantizationType.F32 and t.data.ndim == 2
+        try:  # kept blocks are checked on their first row: a type gguf cannot read fails here, not at load
+            w = np.asarray(dequantize(t.data[:1] if keep else t.data, t.tensor_type), dtype=np.float32)
         except (NotImplementedError, ValueError, KeyError) as e:
             raise ValueError(
                 f"tensor {t.name!r} has type {t.tensor_type.name}, which cannot be dequantized: {e}"
             ) from e
+        if keep:
+            w = np.asarray(t.data)  # F16: float16; other types: uint8 rows of blocks (whole rows of a matrix)
+            if t.tensor_type != GGMLQuantizationType.F16:
+                types[name] = t.tensor_type.name
         if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_qk(w, cfg.num_heads)
         elif cfg.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute_qk(w, cfg.num_kv_heads)
         w = np.ascontiguousarray(w)
         weights[name] = w if w.flags.writeable else w.copy()  # F32 tensors come as read-only file maps
-    return cfg, tokenizer, weights
+    return cfg, tokenizer, weights, types

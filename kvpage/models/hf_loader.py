@@ -1,19 +1,22 @@
-"""Read a Hugging Face model directory: config.json, *.safetensors (one file or shards), tokenizer."""
+"""Read a Hugging Face model directory: config.json, *.safetensors (one file or shards), tokenizer.
+(A GGUF conversion in kvpage's cache reads the same way: its quantized blocks come out float32.)"""
 
 from __future__ import annotations
 
 import json
+from collections import ChainMap
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from kvpage.models import gguf_blocks
 from kvpage.models.config import ModelConfig
 from kvpage.models.tokenizer import Tokenizer
 
 
-def read_hf_dir(path: Path) -> tuple[ModelConfig, Tokenizer | None, dict[str, torch.Tensor], dict]:
+def read_hf_dir(path: Path) -> tuple[ModelConfig, Tokenizer | None, Mapping[str, torch.Tensor], dict]:
     """Config, tokenizer (None if the directory has none), weights, and the raw config.json."""
-    from safetensors.torch import load_file
 
     cfg_path = path / "config.json"
     if not cfg_path.exists():
@@ -23,10 +26,11 @@ def read_hf_dir(path: Path) -> tuple[ModelConfig, Tokenizer | None, dict[str, to
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path} has no *.safetensors weights")
-    weights: dict[str, torch.Tensor] = {}
+    parts = []
     for f in files:
         try:
-            weights.update(load_file(str(f)))
+            parts.append(gguf_blocks.load(f))
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise ValueError(f"cannot read weights {f}: {e}") from e
+    weights = parts[0] if len(parts) == 1 else ChainMap(*parts)
     return cfg, Tokenizer.from_dir(path, cfg.eos_token_ids), weights, raw

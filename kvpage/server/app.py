@@ -16,6 +16,7 @@ import json
 import time
 import uuid
 from dataclasses import asdict
+from urllib.parse import quote
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -30,7 +31,13 @@ from kvpage.server.dashboard import EngineFeed, install_dashboard
 from kvpage.server.errors import install_error_handlers
 from kvpage.server.metrics import PREFIXES, Metrics, renamed
 from kvpage.server.openapi import install_openapi
-from kvpage.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvpage.server.protocol import (
+    MAX_NAMED_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from kvpage.server.serving import DEFAULT_MAX_PROMPTS_PER_REQUEST, ClientDisconnected, off_loop
 from kvpage.server.serving_chat import ChatServing
 from kvpage.server.serving_completions import CompletionServing
@@ -98,12 +105,12 @@ def build_app(
     install_error_handlers(app)
     install_openapi(app, aengine.engine.model_config.vocab_size)
 
-    async def answered(work):
+    async def answered(req, work):
         try:
             body = await work
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return body if isinstance(body, Response) else JSONResponse(body)
+        return named_ignored(req, body if isinstance(body, Response) else JSONResponse(body))
 
     @app.get("/health")
     async def health():
@@ -133,20 +140,21 @@ def build_app(
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw_request: Request):
-        return await answered(completions.create(req, raw_request))
+        return await answered(req, completions.create(req, raw_request))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
-        return await answered(chat.create(req, raw_request))
+        return await answered(req, chat.create(req, raw_request))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         """vLLM's: the prompt's (or the chat-templated messages') token ids, as the engine counts them."""
-        return await off_loop(tokens.tokenize, req)  # (in the tokenizer thread, as the generation endpoints)
+        # (in the tokenizer thread, as the generation endpoints)
+        return named_ignored(req, JSONResponse(await off_loop(tokens.tokenize, req)))
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
-        return tokens.detokenize(req)
+        return named_ignored(req, JSONResponse(tokens.detokenize(req)))
 
     @app.get("/version")
     async def version():
@@ -166,6 +174,19 @@ def build_app(
     asgi = _EitherSideOfTheProxy(_EchoRequestId(asgi))
     asgi.fastapi = app  # type: ignore[attr-defined]
     return asgi
+
+
+def named_ignored(req, response: Response) -> Response:
+    """The request's ignored fields (protocol.py) in the x-kvpage-ignored-fields header: comma-separated,
+    percent-encoded (a field name is any JSON string), each cut at 64 characters, at most
+    MAX_NAMED_FIELDS of them and then "+N" for the rest."""
+    ignored = req.ignored_fields
+    if ignored:
+        names = [quote(name[:64], safe="") for name in ignored[:MAX_NAMED_FIELDS]]
+        if len(ignored) > MAX_NAMED_FIELDS:
+            names.append(f"+{len(ignored) - MAX_NAMED_FIELDS}")
+        response.headers["x-kvpage-ignored-fields"] = ",".join(names)
+    return response
 
 
 def _kv_event_routes(app: FastAPI, engine: LLMEngine) -> None:

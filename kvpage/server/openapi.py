@@ -31,7 +31,8 @@ RULES_400 = (
     "prompt or stop string; a token id outside the vocabulary; logit_bias keys that are not token ids; "
     "stream_options without stream: true; top_logprobs without logprobs: true; continue_final_message "
     "with add_generation_prompt; logprobs, prompt_logprobs or logit_bias with use_beam_search; a prompt "
-    "plus max_tokens past the context (code context_length_exceeded); more prompts than "
+    "(chat: messages) plus max_tokens (or max_completion_tokens) past the context (code "
+    "context_length_exceeded, param the field at fault); more prompts than "
     "--max-prompts-per-request; or a request that can never fit the KV cache"
 )
 

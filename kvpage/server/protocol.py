@@ -3,11 +3,14 @@
 Types are strict where a wrong type would otherwise be coerced silently ("max_tokens": "10" is an
 error, as it is for OpenAI). Every string must be valid Unicode (a lone surrogate such as "\\ud800"
 is a 400 naming the field). Fields that OpenAI accepts but kvpage does not act on are ignored;
-the README's API section lists both kinds, and vLLM's extensions.
+the README's API section lists both kinds, and vLLM's extensions. A request field none of these
+models knows is ignored too, as vLLM ignores it, and named as vLLM names it: a warning in the log,
+and (app.py) the response's x-kvpage-ignored-fields header.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -15,6 +18,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictFloat,
     StrictInt,
@@ -25,7 +29,9 @@ from pydantic import (
 
 from kvpage.sampling_params import MAX_LOGPROBS
 
+log = logging.getLogger("kvpage.server")
 MAX_N = 16
+MAX_NAMED_FIELDS = 16  # an ignored-fields list is cut there (a body may hold thousands of keys)
 Number = StrictFloat  # a JSON number: integers are taken (as floats), booleans and strings are not
 
 
@@ -52,14 +58,38 @@ def _doc(description: str, *any_of: dict) -> dict:
     return extra
 
 
+class _Request(BaseModel):
+    """A request body: an unknown top-level field is ignored, listed in `ignored_fields` and logged."""
+
+    model_config = ConfigDict(extra="ignore")
+    _ignored: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _name_ignored(cls, data, handler):
+        result = handler(data)
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            ignored = sorted(str(k) for k in data if k not in known)
+            if ignored:
+                result._ignored = ignored
+                more = f" and {len(ignored) - MAX_NAMED_FIELDS} more" if len(ignored) > MAX_NAMED_FIELDS else ""
+                log.warning("The following fields were present in the request but ignored: %r%s",
+                            ignored[:MAX_NAMED_FIELDS], more)  # fmt: skip
+        return result
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """The body's top-level fields that no field of this request is (sorted)."""
+        return self._ignored
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False  # vLLM's: every chunk carries the usage so far
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class _Common(_Request):
     model: Text | None = Field(None, description="the served model's name; left out: the served model (vLLM's)")
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     temperature: Number | None = Field(None, ge=0, le=2)
@@ -224,10 +254,8 @@ class ChatCompletionRequest(_Common):
         return last.text() if self.echo and last.role == self.reply_role else ""
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Request):
     """vLLM's POST /tokenize: a prompt, or chat messages with the chat template applied."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: Text | None = None
     prompt: Text | None = None
@@ -246,10 +274,8 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Request):
     """vLLM's POST /detokenize."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: Text | None = None
     tokens: list[StrictInt] = Field(description="token ids of the vocabulary", json_schema_extra={"items": TOKEN_ID})

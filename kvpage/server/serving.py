@@ -109,19 +109,23 @@ class OpenAIServing:
             raise APIError(400, str(e), param="kv_eviction") from None
         return self.engine.config.kv_eviction if policy is None else policy
 
-    def check_length(self, ids: list[int], max_tokens: int | None, eviction) -> int:
+    def check_length(self, ids: list[int], max_tokens: int | None, eviction, prompt_field: str = "prompt",
+                     max_tokens_field: str = "max_tokens") -> int:  # fmt: skip
+        """The output budget; 400 context_length_exceeded naming the request's own field (the chat
+        endpoint's prompt is its `messages`, its budget `max_completion_tokens` where that was given)."""
         limit = self.engine.max_model_len
         if eviction.unbounded:  # StreamingLLM runs past the context
             return max_tokens if max_tokens is not None else max(1, limit - len(ids))
         if len(ids) >= limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
-                                f"{len(ids)} tokens", param="prompt", code="context_length_exceeded")  # fmt: skip
+            raise APIError(400, f"this model's maximum context length is {limit} tokens, but the {prompt_field} "
+                                f"resulted in {len(ids)} tokens", param=prompt_field,
+                           code="context_length_exceeded")  # fmt: skip
         if max_tokens is None:
             return limit - len(ids)
         if len(ids) + max_tokens > limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} "
-                                f"and max_tokens asks for {max_tokens}", param="max_tokens",
-                           code="context_length_exceeded")  # fmt: skip
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; the {prompt_field} resulted "
+                                f"in {len(ids)} and {max_tokens_field} asks for {max_tokens}",
+                           param=max_tokens_field, code="context_length_exceeded")  # fmt: skip
         return max_tokens
 
     def params(

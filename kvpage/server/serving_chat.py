@@ -31,7 +31,9 @@ class ChatServing(OpenAIServing):
         except (ValueError, TemplateError) as e:
             raise APIError(400, f"messages: {e}", param="messages") from None
         eviction = self.eviction(req)
-        max_tokens = self.check_length(ids, req.max_completion_tokens or req.max_tokens, eviction)
+        budget_field = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        max_tokens = self.check_length(ids, req.max_completion_tokens or req.max_tokens, eviction, "messages",
+                                       budget_field)  # fmt: skip
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = self.params(req, max_tokens, top, req.prompt_logprobs, eviction)
         rid = f"chatcmpl-{uuid.uuid4().hex}"

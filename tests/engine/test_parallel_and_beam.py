@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpage import BeamSearchParams, SamplingParams
+from kvpage import BeamSearchParams, RequestOutput, SamplingParams
+from kvpage.outputs import BeamSearchOutput, BeamSearchSequence
 from tests.engine.helpers import assert_clean, greedy, make_llm
 
 
@@ -73,6 +74,37 @@ def test_beam_search_equals_transformers(llm, prompts, hf_f32, width):
         scores = [c.cumulative_logprob / len(c.token_ids) for c in out.outputs]
         assert scores == sorted(scores, reverse=True)  # best first (length penalty 1.0)
     assert eos_seen  # the EOS rules were exercised too
+    assert_clean(llm)
+
+
+def test_beam_search_gives_vllms_sequences(llm, prompts, hf_f32):
+    """vLLM's offline shape: `.sequences` are BeamSearchSequences, best first, whose tokens are the
+    prompt's then the beam's, whose text decodes all of them (special tokens kept), and whose
+    logprobs hold per generated token the chosen token and its row's top 2 * beam_width; the old
+    RequestOutput attributes stay as they were."""
+    width, tok, prompt = 3, llm.get_tokenizer(), prompts[3]
+    (out,) = llm.beam_search([prompt], BeamSearchParams(beam_width=width, max_tokens=8))
+    assert isinstance(out, BeamSearchOutput) and isinstance(out, RequestOutput)
+    assert [f for f in BeamSearchSequence.__dataclass_fields__][:4] == ["tokens", "logprobs", "cum_logprob", "text"]
+    assert [c.token_ids for c in out.outputs] == hf_beams(hf_f32, prompt, width, 8)
+    assert len(out.sequences) == width
+    for c, seq in zip(out.outputs, out.sequences, strict=True):
+        assert seq.tokens == prompt + c.token_ids
+        assert seq.text == tok.decode(prompt + c.token_ids, skip_special_tokens=False)
+        assert seq.cum_logprob == c.cumulative_logprob and seq.finish_reason == c.finish_reason
+        assert seq.logprobs is c.logprobs and len(seq.logprobs) == len(c.token_ids)
+        with torch.no_grad():  # the no-cache oracle's log-softmax at every generated position
+            lp = torch.log_softmax(hf_f32(torch.tensor([seq.tokens])).logits[0, len(prompt) - 1 : -1].float(), -1)
+        for t, (token, pos) in enumerate(zip(c.token_ids, seq.logprobs, strict=True)):
+            top = torch.topk(lp[t], 2 * width)
+            assert list(pos) == [token] + [i for i in top.indices.tolist() if i != token]
+            assert [pos[i].rank for i in top.indices.tolist()] == list(range(1, 2 * width + 1))
+            assert pos[token].decoded_token == tok.decode([token], skip_special_tokens=False)
+            for i, p in pos.items():
+                assert p.logprob == pytest.approx(float(lp[t, i]), abs=1e-4)
+        assert sum(pos[token].logprob for token, pos in zip(c.token_ids, seq.logprobs)) == pytest.approx(
+            seq.cum_logprob, abs=1e-4
+        )
     assert_clean(llm)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import tempfile
 from pathlib import Path
 
@@ -120,6 +121,74 @@ def test_second_load_comes_from_the_cache_with_identical_weights(tmp_path):
     cached = list((tmp_path / "cache").iterdir())
     assert len(cached) == 1 and (cached[0] / "model.safetensors").exists()
     assert not [p for p in (tmp_path / "cache").iterdir() if "." in p.name.split("-")[-1]]  # no temp leftovers
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cache_keeps_the_files_precision_and_loads_the_same_weights(tmp_path, monkeypatch, dtype):
+    """The cache holds each tensor as the GGUF does (blocks, float16, bfloat16, float32: as many
+    bytes), and a load from it gives bit for bit the weights of a float32 dequantization by gguf."""
+    from gguf import GGUFReader
+    from safetensors import safe_open
+
+    from kvpage.models.gguf_blocks import TYPES_KEY
+    from kvpage.models.gguf_loader import hf_name, read_gguf
+
+    monkeypatch.setenv("KVPAGE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, MIXED_TYPES)
+    loads = [load_model(str(path), dtype=dtype) for _ in range(2)]
+    assert [lm.from_cache for lm in loads] == [False, True]
+    cfg, _, weights = read_gguf(path)  # float32, as the cache held them before
+    ref = loader_mod.build_model(cfg, ((k, torch.from_numpy(v)) for k, v in weights.items()),
+                                 loader_mod.parse_dtype(dtype), "cpu", "auto")  # fmt: skip
+    for lm in loads:
+        ours, theirs = lm.model.state_dict(), ref.state_dict()
+        assert ours.keys() == theirs.keys()
+        assert all(ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]) for k in ours)
+    (cached,) = (tmp_path / "cache").iterdir()
+    gguf = {hf_name(t.name): t for t in GGUFReader(str(path)).tensors}
+    with safe_open(str(cached / "model.safetensors"), "pt") as f:
+        kept = json.loads(f.metadata()[TYPES_KEY])
+        stored = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a Mapping
+    quantized = {k: t.tensor_type.name for k, t in gguf.items() if t.tensor_type not in (Q.F32, Q.F16, Q.BF16)}
+    assert kept == quantized
+    dtypes = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+    assert all(stored[k].dtype == dtypes.get(t.tensor_type, torch.uint8) for k, t in gguf.items())
+    assert all(stored[k].numel() * stored[k].element_size() == t.n_bytes for k, t in gguf.items())
+
+
+@pytest.mark.usefixtures("private_cache")
+def test_a_failed_conversion_leaves_nothing_and_a_finished_one_replaces_older_ones(tmp_path, monkeypatch):
+    from kvpage.models.tokenizer import Tokenizer
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, {"blk.0.attn_q.weight": Q.Q4_1})
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    older = cache / "tiny-0123456789abcdef"  # an earlier format's conversion of the same file
+    other = cache / "tiny-fedcba9876543210"  # another file of the same name
+    writing = cache / "tiny-0123456789abcdef.x1y2z3"  # another process's conversion under way
+    for d, source in (
+        (older, path.resolve()),
+        (other, tmp_path / "elsewhere" / "tiny.gguf"),
+        (writing, path.resolve()),
+    ):
+        d.mkdir()
+        (d / "SOURCE").write_text(str(source))
+
+    def fail(self, out):
+        raise RuntimeError("disk full")
+
+    with monkeypatch.context() as m:
+        m.setattr(Tokenizer, "save", fail)
+        with pytest.raises(RuntimeError, match="disk full"):
+            load_model(str(path))
+    assert sorted(p.name for p in cache.iterdir()) == sorted([older.name, other.name, writing.name])
+    lm = load_model(str(path))
+    assert not lm.from_cache
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [other.name, writing.name, loader_mod._converted_dir(path).name]
+    )
 
 
 def test_default_model_is_the_packaged_smollm2():

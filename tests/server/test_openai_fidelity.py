@@ -4,6 +4,7 @@ checked with the official `openai` client and raw HTTP against the real model.""
 from __future__ import annotations
 
 import json
+import logging
 
 import httpx
 import openai
@@ -305,3 +306,51 @@ def test_return_tokens_as_token_ids_names_tokens_by_id_and_the_sampled_one_comes
     content = chat.choices[0].logprobs.content
     assert [c.token for c in content] == [f"token_id:{t}" for t in chat.choices[0].token_ids]
     assert all(t.token.startswith("token_id:") for c in content for t in c.top_logprobs)
+
+
+def test_context_length_errors_name_the_endpoints_own_field(client):
+    """OpenAI's chat endpoint has no `prompt`: its over-long input is `messages`, and its budget the
+    field the client gave (max_completion_tokens or max_tokens); completions keep `prompt`."""
+    long = "The cat sat on the mat. " * 200  # ~1,400 tokens: more than max_model_len=1024
+    hi = [{"role": "user", "content": "Hi"}]
+    cases = [
+        (client.chat.completions.create, dict(messages=[{"role": "user", "content": long}], max_tokens=4), "messages"),
+        (client.chat.completions.create, dict(messages=hi, max_completion_tokens=1024), "max_completion_tokens"),
+        (client.chat.completions.create, dict(messages=hi, max_tokens=1024), "max_tokens"),
+        (client.completions.create, dict(prompt=long, max_tokens=4), "prompt"),
+        (client.completions.create, dict(prompt="Hi", max_tokens=1024), "max_tokens"),
+    ]
+    for create, kw, field in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model="smollm2", **kw)
+        assert (e.value.param, e.value.code) == (field, "context_length_exceeded"), kw
+        assert f"the {'messages' if 'messages' in kw else 'prompt'} resulted in" in e.value.message
+        assert field in e.value.message
+
+
+def test_unknown_fields_are_ignored_and_named_in_a_header_and_the_log(server, caplog):
+    """vLLM accepts a field it does not know and logs it; kvpage does too, and names it to the client."""
+    caplog.set_level(logging.WARNING, logger="kvpage.server")
+    hi = [{"role": "user", "content": "Hi"}]
+    odd = {"response_format": {"type": "text"}, "zz, top\n": 1}  # any JSON string can be a key
+    header = "response_format,zz%2C%20top%0A"
+    cases = [
+        ("/v1/chat/completions", {"model": "smollm2", "messages": hi, "max_tokens": 2, "temperature": 0}),
+        ("/v1/chat/completions", {"model": "smollm2", "messages": hi, "max_tokens": 2, "stream": True}),
+        ("/v1/completions", {"model": "smollm2", "prompt": "Hi", "max_tokens": 2, "temperature": 0}),
+        ("/tokenize", {"model": "smollm2", "prompt": "Hi"}),
+        ("/detokenize", {"model": "smollm2", "tokens": [1, 2]}),
+    ]
+    for path, body in cases:
+        plain = post(server, path, body)
+        assert plain.status_code == 200 and "x-kvpage-ignored-fields" not in plain.headers, path
+        caplog.clear()
+        r = post(server, path, {**body, **odd})
+        assert r.status_code == 200 and r.headers["x-kvpage-ignored-fields"] == header, path
+        assert r.content == plain.content or path.startswith("/v1/"), path  # the same answer otherwise
+        warnings = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
+        assert warnings == ["The following fields were present in the request but ignored: "
+                            "['response_format', 'zz, top\\n']"], path  # fmt: skip
+    many = post(server, "/tokenize", {"prompt": "Hi", **{f"f{i:02}": 1 for i in range(20)}})
+    assert many.headers["x-kvpage-ignored-fields"] == ",".join(f"f{i:02}" for i in range(16)) + ",+4"
+    assert_pool_free(server)
