@@ -20,7 +20,7 @@ test: $(STAMP) test-deps
 # The other CPU kinds' paths on this machine (KVPAGE_CPU_KIND, kvpage/cpu_kind.py): the model, kernel,
 # engine-equivalence and server tests again under every kind below this machine's own, as each kind builds
 # its kernels and chooses its LinearPolicy and dtype="auto" (nothing to do on an AVX2-only machine).
-KIND_TESTS := tests/models tests/ops tests/test_cpu_kind.py tests/engine/test_greedy_equivalence.py \
+KIND_TESTS := tests/models tests/ops tests/worker/test_fused_decode.py tests/test_cpu_kind.py tests/engine/test_greedy_equivalence.py \
 	tests/attention/test_key_bounds.py tests/engine/test_read_budget.py tests/attention/test_demoted_kv.py \
 	tests/engine/test_deterministic.py tests/server/test_openai_client.py tests/server/test_deterministic_server.py
 test-kinds: $(STAMP)
