@@ -43,7 +43,7 @@ class StepLimits:
         n = len(req.prompt_token_ids)
         if n > self.max_model_len and not req.unbounded:
             return f"the prompt has {n} tokens, more than max_model_len={self.max_model_len}"
-        if req.segments and req.eviction.evicts:
+        if req.plan.copies_kv and req.eviction.evicts:
             return f"a prompt of segments cannot go with the eviction policy {req.eviction.describe()}"
         broken = self.width_limit(req.width)
         if broken is None:

@@ -39,8 +39,8 @@ class Preemption:
 
     def release(self, seq: Sequence, *, written: bool = True) -> None:
         """Free the sequence's blocks (GPU or swapped), if it holds any. When its KV is `written` (no
-        failed step), its cached blocks and its partly filled last block stay hittable: its exact part
-        only (`num_cacheable`: a prompt of segments keeps nothing it copied), and nothing while it
+        failed step), its cached blocks and its partly written last block stay hittable: its exact part
+        only (`num_cacheable`: its plan's, seq_plan.py), and nothing while it
         waits on its lead (its computed count covers blocks the lead may not have recomputed yet)."""
         if not self.kv.has_sequence(seq.key):
             return
@@ -51,11 +51,11 @@ class Preemption:
 
     def drop(self, seq: Sequence) -> None:
         """Recompute: free the sequence's blocks, keep its tokens. Its cached blocks, the partly
-        filled last one included, serve its recompute if nothing reuses them first."""
+        written last one included, serve its recompute if nothing reuses them first."""
         self.release(seq)
         seq.num_computed = 0
         seq.depends_on = None
-        seq.forget_fills()
+        seq.plan.forget()
 
     def preempt(self, req: Request, out: SchedulerOutput) -> bool:
         """Preempt the whole request: True if it was swapped out, False if its blocks were freed."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from kvpage.core.eviction import NO_EVICTION, EvictionPolicy
 from kvpage.core.scheduler_output import SeqKey
+from kvpage.core.seq_plan import PLAIN, SequencePlan
 
 
 class RequestStatus(enum.Enum):
@@ -38,14 +39,8 @@ class Sequence:
     parked: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
-    # A prompt of segments (core/segments.py): position spans whose KV was copied from the segments'
-    # own cached blocks instead of computed (skipped as the computed count reaches them), and where
-    # the exactly computed KV ends (None: all of it is exact): nothing after it is registered.
-    filled: list[tuple[int, int]] = field(default_factory=list)
-    exact_upto: int | None = None
-    # Its decodes read within a budget (a request's read_budget): the KV of every generated token saw
-    # only some blocks, so nothing past the prompt is registered (the prompt itself reads in full).
-    budgeted: bool = False
+    # What its request's features change (a prompt of segments, a read budget): seq_plan.py
+    plan: SequencePlan = PLAIN
 
     @property
     def index(self) -> int:
@@ -65,35 +60,11 @@ class Sequence:
 
     def cacheable(self, n: int) -> int:
         """Of its first `n` tokens, the leading ones whose KV is exact: what the prefix cache may hold."""
-        if self.budgeted:
-            n = min(n, self.num_prompt_tokens)
-        return n if self.exact_upto is None else min(n, self.exact_upto)
+        return self.plan.cacheable(self, n)
 
     @property
     def num_cacheable(self) -> int:
         return self.cacheable(self.num_computed)
-
-    def compute_runs(self, n: int, selective: bool = False) -> list[tuple[int, int, bool]]:
-        """(position, tokens, filled) runs of its next `n` tokens to compute. The filled spans are
-        skipped, or with `selective` (CacheBlend) computed too, as runs of their own marked filled."""
-        runs, pos, end = [], self.num_computed, len(self.token_ids)
-        spans = [f for f in self.filled if f[1] > pos]
-        while n > 0 and pos < end:
-            inside = bool(spans) and spans[0][0] <= pos
-            if inside and not selective:
-                pos = spans.pop(0)[1]
-                continue
-            stop = spans[0][1] if inside else (spans[0][0] if spans else end)
-            take = min(n, end - pos, stop - pos)
-            runs.append((pos, take, inside))
-            pos, n = pos + take, n - take
-            if inside and pos == stop:
-                spans.pop(0)
-        return runs
-
-    def forget_fills(self) -> None:
-        """Its KV is gone (a recompute): computed again from scratch, filled again at admission."""
-        self.filled, self.exact_upto = [], None
 
 
 @dataclass(slots=True, eq=False)
@@ -115,16 +86,9 @@ class Request:
     rejected: bool = False  # it failed because it can never run here (the request's fault, not a step's)
     num_cached_tokens: int | None = None  # prompt tokens its first admission found in the prefix cache
     eviction: EvictionPolicy = NO_EVICTION  # StreamingLLM / H2O: blocks released as it grows (core/eviction/)
-    # A prompt given as segments (core/segments.py): (start, length) of each in the prompt, and the
-    # blocks at the start of each reused segment computed again in the new context
-    segments: tuple[tuple[int, int], ...] = ()
-    recompute_blocks: int = 1
-    # CacheBlend's selective recompute (0: off): the copied spans are computed too, every layer up to
-    # the check layer for all their tokens, the later ones for this share of them (worker/selective.py)
-    recompute_ratio: float = 0.0
-    # Its decodes read at most this many tokens' blocks, chosen by their key bounds (Quest); nothing
-    # is freed, so the scheduler only passes it on. None: a full read.
-    read_budget: int | None = None
+    # The features it asked for (a prompt of segments, a read budget: seq_plan.plan_of), as its
+    # first sequence starts with them; each sequence then holds its own plan
+    plan: SequencePlan = PLAIN
 
     @property
     def unbounded(self) -> bool:
@@ -136,7 +100,7 @@ class Request:
             self.eviction = NO_EVICTION
         if not self.sequences:
             ids = list(self.prompt_token_ids)
-            self.sequences.append(Sequence(SeqKey(self.request_id, 0), ids, len(ids), budgeted=bool(self.read_budget)))
+            self.sequences.append(Sequence(SeqKey(self.request_id, 0), ids, len(ids), plan=self.plan.fork()))
 
     @property
     def live_sequences(self) -> list[Sequence]:

@@ -223,36 +223,30 @@ class Scheduler(Intake):
 
     def _schedule_seq(self, req: Request, seq: Sequence, n: int, out: SchedulerOutput) -> int:
         """Slots for `seq`'s tokens (the caller made room), then its next `n` tokens: one entry per
-        run between the spans its segments filled (segments.py; every layer writes the step's K/V
-        before any entry attends, so a later run sees an earlier one), and under CacheBlend's
-        selective recompute one per filled span too, marked with the share of it to recompute.
-        Returns the tokens scheduled."""
-        selective = req.recompute_ratio > 0
-        runs = seq.compute_runs(n, selective) if seq.filled else [(seq.num_computed, n, False)]
+        run its plan gives (seq_plan.py: a run may be of copied KV, marked so; every
+        layer writes the step's K/V before any entry attends, so a later run sees an earlier one),
+        each annotated by the plan. Returns the tokens scheduled."""
+        runs = seq.plan.runs(seq, n)
         end = runs[-1][0] + runs[-1][1]
         step = self.kv.prepare_step(
             seq.key, seq.token_ids, seq.cacheable(end), self._slots(req, seq, end - seq.num_computed)
         )
         out.copies.extend(step.copies)
         out.rotations.extend(step.rotations)
-        for start, m, filled in runs:
-            out.sequences.append(
-                ScheduledSequence(
-                    seq.key,
-                    seq.token_ids[start : start + m],
-                    start,
-                    step.block_table,
-                    return_logits=start + m == len(seq.token_ids),
-                    prompt_logprobs=req.want_prompt_logprobs and start < seq.num_prompt_tokens and not filled,
-                    num_evicted=step.num_evicted,
-                    want_mass=req.eviction.wants_mass,
-                    select_ratio=req.recompute_ratio if filled else None,
-                    # generated tokens only: a prompt's last token computed alone (after a prefix hit)
-                    # reads in full, as it would inside its prompt's chunk
-                    read_budget=req.read_budget if start >= seq.num_prompt_tokens else None,
-                    cold_blocks=step.cold_blocks,
-                )
+        for start, m, copied in runs:
+            entry = ScheduledSequence(
+                seq.key,
+                seq.token_ids[start : start + m],
+                start,
+                step.block_table,
+                return_logits=start + m == len(seq.token_ids),
+                prompt_logprobs=req.want_prompt_logprobs and start < seq.num_prompt_tokens and not copied,
+                num_evicted=step.num_evicted,
+                want_mass=req.eviction.wants_mass,
+                cold_blocks=step.cold_blocks,
             )
+            seq.plan.annotate(entry, seq, copied)  # (what its features tell the worker)
+            out.sequences.append(entry)
         self._in_flight.add(req.request_id)
         return sum(m for _, m, _ in runs)
 

@@ -16,7 +16,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from kvpage.core.admission import AdmissionStatus
-from kvpage.core.request import Request, RequestStatus, Sequence
+from kvpage.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from kvpage.core.kv_cache_manager import KVCacheManager
@@ -100,15 +100,6 @@ class Intake:
                     budget -= self._schedule_seq(req, seq, n, out)
         return budget
 
-    def _fill_segments(self, req: Request, lead: Sequence, hits: list[list[int]], out: SchedulerOutput) -> None:
-        """A prompt of segments, just admitted: its lead (the first live sequence: sample 0 may have
-        ended before a recompute) copies what the segments' own cached KV holds (`hits`, held since
-        before admission; the runs go into this step, before its forward) and computes the rest."""
-        fills = self.kv.fill_segments(lead.key, req.segments, hits, req.recompute_blocks, lead.num_computed)
-        lead.filled = [(f.start, f.end) for f in fills]
-        lead.exact_upto = fills[0].start if fills else None
-        out.slot_copies.extend(r for f in fills for r in f.runs)
-
     def _admit(self, budget: int, out: SchedulerOutput) -> None:
         bs = self.kv.block_size
         while self.waiting and budget > 0:
@@ -117,19 +108,18 @@ class Intake:
             if not self._seats_for(req, len(seqs)):
                 return
             tokens = [s.token_ids for s in seqs]
-            # the segments' cached KV, held first: the prompt's own allocation must not evict it
-            hits = self.kv.hold_segments(tokens[0], req.segments, req.cache_salt) if req.segments else []
+            plan = seqs[0].plan  # (the lead's: sample 0 may have ended before a recompute)
+            held = plan.hold(self.kv, tokens[0], req.cache_salt)  # before admission allocates
             cap = req.eviction.admission_cap(bs)  # an evicting policy: slots (and hits) within its budget
             if cap is not None:
                 tokens = [t[:cap] for t in tokens]
             adm = self.kv.check_admission(
                 tokens, req.cache_salt, use_prefix_cache=req.use_prefix_cache, keep_watermark=bool(self.running)
             )
-            if adm.status is not AdmissionStatus.NOW and any(hits):
-                # it does not fit beside the blocks it would copy from: they give way, and it
-                # computes its prompt in full (a pool too small to hold both must not stall it)
-                self.kv.release_segments(hits)
-                hits = [[] for _ in hits]
+            if adm.status is not AdmissionStatus.NOW and plan.holds(held):
+                # it does not fit beside what its plan holds: that gives way (a pool too small to
+                # hold both must not stall it)
+                held = plan.give_way(self.kv, held)
                 adm = self.kv.check_admission(
                     tokens, req.cache_salt, use_prefix_cache=req.use_prefix_cache, keep_watermark=bool(self.running)
                 )
@@ -144,12 +134,10 @@ class Intake:
             lead.num_computed = adm.prefix.num_tokens if adm.prefix else 0
             if req.num_cached_tokens is None:  # (what usage.prompt_tokens_details.cached_tokens reports)
                 req.num_cached_tokens = lead.num_computed
-            if req.segments:  # (with prompt logprobs too: no prefix hit, but the fills)
-                self._fill_segments(req, lead, hits, out)
+            plan.admitted(self.kv, lead, seqs[1:], held, out)  # (with prompt logprobs too)
             for s, m in zip(seqs[1:], adm.shared_blocks[1:], strict=True):
                 s.num_computed = m * bs
                 s.depends_on = (lead.index, m * bs) if m * bs > lead.num_computed else None
-                s.exact_upto = lead.exact_upto  # (the blocks it shares with the lead are the lead's)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             for seq, n in self._plan(req, budget):

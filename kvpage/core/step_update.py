@@ -62,8 +62,7 @@ def apply_update(req: Request, update: RequestUpdate, kv: KVCacheManager) -> Non
         if parent.finished or parent.num_uncomputed:
             raise ValueError(f"sequence {parent.index} cannot be forked now")
         child = Sequence(SeqKey(req.request_id, u.index), list(parent.token_ids), parent.num_prompt_tokens,
-                         parent.num_computed, filled=list(parent.filled), exact_upto=parent.exact_upto,
-                         budgeted=parent.budgeted)  # fmt: skip
+                         parent.num_computed, plan=parent.plan.fork())  # fmt: skip
         kv.fork(parent.key, child.key)
         req.sequences.append(child)
     for u in update.sequences:

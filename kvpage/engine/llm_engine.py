@@ -27,6 +27,7 @@ from kvpage.core import CacheStats
 from kvpage.core.kv_events import KVEventLog
 from kvpage.core.request import Request, Sequence
 from kvpage.core.scheduler_output import SchedulerOutput
+from kvpage.core.seq_plan import plan_of
 from kvpage.core.step_update import RequestUpdate, SeqUpdate, StepResult
 from kvpage.engine.beam_search import BeamSearch
 from kvpage.engine.builder import build_engine
@@ -154,8 +155,7 @@ class LLMEngine:
         req = Request(request_id, ids, self._arrivals, cache_salt=cache_salt, use_prefix_cache=not want_plp,
                       want_prompt_logprobs=want_plp, width=width, eviction=eviction,
                       independent=not is_beam and width > 1 and not eviction.evicts,
-                      segments=spans, recompute_blocks=recompute, recompute_ratio=ratio,
-                      read_budget=read_budget)  # fmt: skip
+                      plan=plan_of(spans, recompute, ratio, read_budget))  # fmt: skip
         self._arrivals += 1
         eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
         extra_stops = set() if is_beam else set(params.stop_token_ids or ())

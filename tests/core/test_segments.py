@@ -12,6 +12,7 @@ from kvpage.core import KVCacheManager
 from kvpage.core.request import Request
 from kvpage.core.scheduler import Scheduler
 from kvpage.core.segments import Fill, plan_fills, segment_spans
+from kvpage.core.seq_plan import SegmentFill, plan_of
 from kvpage.core.step_update import RequestUpdate, SeqUpdate
 
 BS = 4
@@ -46,14 +47,19 @@ def cache_doc(s: Scheduler) -> None:
     assert s.kv.num_resident_blocks(DOC) == 2
 
 
+def fill_of(seq) -> SegmentFill:
+    """The sequence's segments feature (seq_plan.py): what it copied, where its exact KV ends."""
+    return seq.plan.get(SegmentFill)
+
+
 def entries(out):
     return [(q.token_ids, q.num_computed, q.block_table, q.return_logits) for q in out.sequences]
 
 
 def segmented(rid, segments, recompute_blocks=0, recompute_ratio=0.0) -> Request:
     prompt = [t for seg in segments for t in seg]
-    return Request(rid, prompt, 1, segments=segment_spans([len(g) for g in segments]),
-                   recompute_blocks=recompute_blocks, recompute_ratio=recompute_ratio)  # fmt: skip
+    spans = segment_spans([len(g) for g in segments])
+    return Request(rid, prompt, 1, plan=plan_of(spans, recompute_blocks, recompute_ratio))
 
 
 def test_plan_copies_a_segment_slot_by_slot_to_any_offset_with_its_position_as_the_shift():
@@ -143,7 +149,7 @@ def test_selective_recompute_runs_the_copied_span_too_marked_with_its_share_and_
         [([103, 104, 105, 106, 107], 6, 0.25, False), ([9], 11, None, False)],
         [([9], 12, None, True)],
     ]
-    assert req.sequences[0].filled == [(3, 11)] and req.sequences[0].exact_upto == 3
+    assert fill_of(req.sequences[0]).filled == [(3, 11)] and fill_of(req.sequences[0]).exact_upto == 3
     # what was registered is what it would be without it: nothing from the first copied position on
     held = sorted(b.cache_key.token_ids for b in s.kv.pool.blocks if b.cache_key is not None)
     assert held == [(1, 2, 3), (100, 101, 102, 103), (104, 105, 106, 107)]
@@ -189,14 +195,14 @@ def test_a_recompute_forgets_the_fills_and_fills_again_at_admission():
     out = s.schedule()
     s.update_from_output(out, {"s": RequestUpdate("s", [SeqUpdate(0, 7, None, None)])})
     seq = req.sequences[0]
-    assert seq.filled == [(3, 11)] and seq.exact_upto == 3 and seq.num_computed == 13
+    assert fill_of(seq).filled == [(3, 11)] and fill_of(seq).exact_upto == 3 and seq.num_computed == 13
     s.running.remove(req)
     s._preempt(req, out)  # recompute: blocks freed, nothing approximate kept as a tail
-    assert seq.filled == [] and seq.exact_upto is None and seq.num_computed == 0
+    assert fill_of(seq).filled == [] and fill_of(seq).exact_upto is None and seq.num_computed == 0
     s.check_invariants()
     out = s.schedule()
     # its exact tail (positions 0..2, kept at the drop) is a partial hit; the document is copied again
-    assert len(out.copies) == 1 and len(out.slot_copies) == 4 and seq.filled == [(3, 11)]
+    assert len(out.copies) == 1 and len(out.slot_copies) == 4 and fill_of(seq).filled == [(3, 11)]
     assert [e[:2] for e in entries(out)] == [([9, 9, 7], 11)]
     s.abort_request("s")
     s.update_from_output(out, {})
@@ -216,12 +222,12 @@ def test_after_sample_0_ended_a_recompute_fills_the_first_live_sample():
     s.update_from_output(out, {"s": RequestUpdate("s", [SeqUpdate(0, 5, None, "stop"), SeqUpdate(1, 6, None, None)])})
     s.check_invariants()
     one = req.sequences[1]
-    assert one.exact_upto == 3 and req.sequences[0].finished
+    assert fill_of(one).exact_upto == 3 and req.sequences[0].finished
     s.running.remove(req)
     s._preempt(req, out)  # recompute: sample 1 is the lead now
     out = s.schedule()
     s.check_invariants()
-    assert one.filled == [(3, 11)] and one.exact_upto == 3 and len(out.slot_copies) == 4
+    assert fill_of(one).filled == [(3, 11)] and fill_of(one).exact_upto == 3 and len(out.slot_copies) == 4
     assert [e[:2] for e in entries(out)] == [([9, 9, 8, 6], 11)]
     s.update_from_output(out, {"s": RequestUpdate("s", [SeqUpdate(1, 4, None, "length")])})
     s.check_invariants()

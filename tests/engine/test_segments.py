@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvpage.core.scheduler_output import SeqKey
+from kvpage.core.seq_plan import SegmentFill
 from kvpage.engine.segment_prompts import SegmentedPrompt
 from kvpage.tools.perplexity import english_corpus
 from tests.engine.helpers import assert_clean, greedy, make_llm
@@ -35,6 +36,10 @@ def fresh(llm):
     return llm
 
 
+def fill_of(seq) -> SegmentFill:
+    return seq.plan.get(SegmentFill)
+
+
 def test_with_everything_recomputed_a_prompt_of_segments_is_the_full_prefill(llm, docs):
     full = [t for d in docs for t in d]
     want = fresh(llm).generate([full], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
@@ -54,13 +59,13 @@ def test_reused_segments_copy_their_own_kv_rotated_to_where_they_stand(llm, docs
     eng.step()
     seq = eng.scheduler.requests["s"].sequences[0]
     # documents at 37 (71 tokens: 4 full blocks) and 108 (90: 5); the first block of each recomputed
-    assert seq.filled == [(37 + BS, 37 + 4 * BS), (108 + BS, 108 + 5 * BS)] and seq.exact_upto == 53
+    assert fill_of(seq).filled == [(37 + BS, 37 + 4 * BS), (108 + BS, 108 + 5 * BS)] and fill_of(seq).exact_upto == 53
     assert eng.kv_manager.num_segment_tokens_copied - copied0 == 3 * BS + 4 * BS
     eng.add_request("f", [t for d in docs for t in d], greedy(4))
     eng.step()
     mine, full = eng.kv_manager.block_table(SeqKey("s", 0)), eng.kv_manager.block_table(SeqKey("f", 0))
     for layer, tol in ((eng.kv_cache.layers[0], 1e-4), (eng.kv_cache.layers[5], None)):
-        for start, end in seq.filled:
+        for start, end in fill_of(seq).filled:
             for p in range(start, end):
                 a = layer.k[mine[p // BS], :, p % BS], layer.v[mine[p // BS], :, p % BS]
                 b = layer.k[full[p // BS], :, p % BS], layer.v[full[p // BS], :, p % BS]
@@ -100,9 +105,9 @@ def test_selective_recompute_keeps_the_tokens_whose_kv_deviated_most_at_the_chec
     eng.add_request("c", SegmentedPrompt.parse(docs, 0, 0.25), greedy(4))
     eng.step()  # (its prompt runs beside the naive request's decode)
     seq = eng.scheduler.requests["c"].sequences[0]
-    assert seq.filled == [(37, 37 + 4 * BS), (108, 108 + 5 * BS)] and seq.num_computed == seq.num_prompt_tokens
+    assert fill_of(seq).filled == [(37, 37 + 4 * BS), (108, 108 + 5 * BS)] and seq.num_computed == seq.num_prompt_tokens
     mine, naive = eng.kv_manager.block_table(SeqKey("c", 0)), eng.kv_manager.block_table(SeqKey("n", 0))
-    slots = [p for a, b in seq.filled for p in range(a, b)]
+    slots = [p for a, b in fill_of(seq).filled for p in range(a, b)]
 
     def kv_at(table, layer):
         kv = eng.kv_cache.layers[layer]
@@ -241,12 +246,12 @@ def test_copied_slots_of_a_quantized_cache_are_requantized_after_the_rotation(do
         eng.step()
     eng.step()
     seq = eng.scheduler.requests["s"].sequences[0]
-    assert seq.filled
+    assert fill_of(seq).filled
     eng.add_request("f", [t for d in docs for t in d], greedy(4))
     eng.step()
     mine, full = eng.kv_manager.block_table(SeqKey("s", 0)), eng.kv_manager.block_table(SeqKey("f", 0))
     layer = eng.kv_cache.layers[0]  # (layer 0: context-free, so the copy must be the key at its new position)
-    for start, end in seq.filled:
+    for start, end in fill_of(seq).filled:
         a = [(mine[p // BS], p % BS) for p in range(start, end)]
         b = [(full[p // BS], p % BS) for p in range(start, end)]
         ka = dequantize(
