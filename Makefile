@@ -12,10 +12,14 @@ STAMP  := $(VENV)/.installed
 run: $(STAMP)
 	$(VENV)/bin/kvpage demo
 
+# The suite runs in TEST_WORKERS pytest-xdist workers, a test file each at a time (module fixtures are
+# built once), each worker on its share of the cores (tests/conftest.py): on 2 cores much of a serial run
+# leaves one idle (Python between kernels, process start-ups, servers waiting on clients).
+TEST_WORKERS ?= 2
 test: $(STAMP) test-deps
 	$(PY) -m ruff check kvpage tests benchmarks
 	$(PY) -m ruff format --check kvpage tests benchmarks
-	$(PY) -m pytest -q --durations=12
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 # The other CPU kinds' paths on this machine (KVPAGE_CPU_KIND, kvpage/cpu_kind.py): the model, kernel,
 # engine-equivalence and server tests again under every kind below this machine's own, as each kind builds

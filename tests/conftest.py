@@ -11,6 +11,14 @@ from kvpage import cpu_kind
 
 CPU_KIND = cpu_kind.apply_torch_env()  # KVPAGE_CPU_KIND: torch's kernels too must take that kind, so before torch
 
+# `make test` runs pytest-xdist workers side by side (one per core pair of hands: Makefile's TEST_WORKERS):
+# each takes its share of the cores, or their OpenMP threads would spin against each other. Subprocesses
+# the tests start (servers, tensor-parallel ranks) inherit the same share.
+if (workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))) > 1:
+    threads = str(max(1, len(os.sched_getaffinity(0)) // workers))
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, threads)
+
 import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the oracle reads the local GGUF file; never the network
@@ -105,6 +113,20 @@ def server():
     s = start_server()
     yield s
     stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def one_ray_cluster_at_a_time(tmp_path_factory):
+    """A local Ray cluster is one per machine at a time: the xdist workers take turns (a file lock)."""
+    import fcntl
+
+    lock = tmp_path_factory.getbasetemp().parent / "kvpage-ray.lock"  # (shared by the run's workers)
+    with open(lock, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")

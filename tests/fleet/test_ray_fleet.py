@@ -30,7 +30,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def fleet(redis_server):
+def fleet(one_ray_cluster_at_a_time, redis_server):
     engine = {**ENGINE, "remote_kv": redis_server.url}
     f = Fleet(FleetSpec(engine, replicas=2, router="kv", port=_free_port(),
                         app_kwargs={"served_model_name": "smollm2"}), num_cpus=2)  # fmt: skip

@@ -25,7 +25,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_replica_is_a_tp_group_in_its_own_placement_group(tmp_path, smollm2):
+def test_a_replica_is_a_tp_group_in_its_own_placement_group(one_ray_cluster_at_a_time, tmp_path, smollm2):
     model = str(write_dummy_model(tmp_path / "dummy4x2", dummy_config(4, 2), smollm2.tokenizer))
     prompt = "The quick brown fox"
     with LLM(model, **ENGINE) as one:
