@@ -64,14 +64,28 @@ def scrape(f) -> dict[str, float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}  # fmt: skip
 
 
+def settled_scrape(f) -> dict[str, float]:
+    """A scrape once the replicas' counters stop moving: a replica reports its metrics between its steps,
+    at the latest a heartbeat (1 s) after its last one, so an earlier test's last requests can still
+    be on their way in."""
+    last = scrape(f)
+    for _ in range(10):
+        time.sleep(1.5)
+        now = scrape(f)
+        if all(now.get(k) == v for k, v in last.items() if k.startswith("kvpage:prefix_cache_queries_total")):
+            return now
+        last = now
+    raise AssertionError("the replicas' metrics never settled")
+
+
 def client(f) -> openai.OpenAI:
     return openai.OpenAI(base_url=f.url, api_key="x", max_retries=0, timeout=120)
 
 
-def chat(c, system: str, user: str, max_tokens: int = 6):
+def chat(c, system: str, user: str, max_tokens: int = 6, **kw):
     return c.chat.completions.create(model="smollm2", max_tokens=max_tokens, temperature=0,
                                      messages=[{"role": "system", "content": system},
-                                               {"role": "user", "content": user}])  # fmt: skip
+                                               {"role": "user", "content": user}], **kw)  # fmt: skip
 
 
 def holder(f, before: dict) -> str:
@@ -101,10 +115,12 @@ def test_greedy_tokens_through_the_fleet_equal_one_servers(fleet, server):
 def test_a_shared_prefix_goes_where_its_blocks_are_and_the_client_sees_the_hit(fleet):
     c = client(fleet)
     system = f"You answer for the ACME help desk, ticket {uuid.uuid4().hex}. " * 6
-    before = scrape(fleet)
+    before = settled_scrape(fleet)  # (not the previous test's last reports)
     first = chat(c, system, "How do I reset my password?")
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     home = holder(fleet, before)
+    # the index hears of the blocks by events, after the answer: route the next ones once it has
+    wait_for(lambda: fleet.stats()["replicas"][home]["blocks"] >= 4, 30, "the index heard of the first's blocks")
     routed = fleet.stats()["routed"]
     for user in ("Where is my invoice?", "Can I change my plan?", "Who do I call?"):
         before = scrape(fleet)
@@ -116,7 +132,8 @@ def test_a_shared_prefix_goes_where_its_blocks_are_and_the_client_sees_the_hit(f
     assert m["kvpage:fleet_replica_blocks{replica=" + home + "}"] > 0
     assert sum(v for k, v in m.items() if k.startswith("kvpage:fleet_replica_trusted")) == 2
     assert m["kvpage:fleet_index_up{}"] == 1 and m["kvpage:fleet_router_fallbacks_total{}"] == 0
-    assert m["kvpage:fleet_remote_blocks{}"] >= 4  # written through to the shared tier, announced to the index
+    # written through to the shared tier, announced to the index (by events too)
+    wait_for(lambda: scrape(fleet)["kvpage:fleet_remote_blocks{}"] >= 4, 30, "the shared tier's blocks announced")
     for r in trusted(fleet):  # every replica's own metrics, labelled with it; nothing left in use
         wait_for(lambda r=r: scrape(fleet)["kvpage:kv_cache_blocks{replica=" + r + ",state=used}"] == 0, 10,
                  f"replica {r} idle")  # fmt: skip
@@ -182,7 +199,7 @@ def test_switched_off_events_are_never_trusted_and_the_router_says_so():
 def test_lost_events_the_index_restarts_empty_and_the_replicas_resync(fleet):
     c = client(fleet)
     system = f"Support script {uuid.uuid4().hex}: be kind and brief. " * 6
-    before = scrape(fleet)
+    before = settled_scrape(fleet)  # (not the previous test's last reports)
     chat(c, system, "Hello?")
     home = holder(fleet, before)
     blocks = fleet.stats()["replicas"][home]["blocks"]
@@ -201,7 +218,7 @@ def test_lost_events_the_index_restarts_empty_and_the_replicas_resync(fleet):
 def test_a_killed_replica_fails_only_its_own_requests_and_the_index_forgets_it(fleet):
     c = client(fleet)
     long_sys = f"Long story {uuid.uuid4().hex}. " * 6
-    before = scrape(fleet)
+    before = settled_scrape(fleet)  # (not the previous test's last reports)
     chat(c, long_sys, "Begin.", 1)
     victim = holder(fleet, before)
     other = next(r for r in trusted(fleet) if r != victim)
@@ -209,7 +226,8 @@ def test_a_killed_replica_fails_only_its_own_requests_and_the_index_forgets_it(f
 
     def long_request():
         try:
-            results["long"] = chat(c, long_sys, "Tell me a very long story.", 400)
+            # (no end of sequence: it cannot finish on its own before the kill lands, however fast)
+            results["long"] = chat(c, long_sys, "Tell me a very long story.", 800, extra_body={"ignore_eos": True})
         except Exception as e:  # noqa: BLE001 - expected: its replica dies under it
             results["long"] = e
 
