@@ -104,12 +104,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decode", type=int, default=24)
     suite_args(ap)
     args = parse(ap, argv, __file__)
-    budgets = [256, 512, 1024]
+    budgets, follow, num_texts = [256, 512, 1024], 32, 4  # follow: tokens of each greedy continuation compared
     if args.quick:
         args.facts, args.ppl_windows, args.ppl_context = 6, 2, 4096
-    if args.smoke:
-        args.context, args.facts, args.decode, budgets = 320, 2, 3, [64, 128]
-        args.ppl_context, args.ppl_windows, args.ppl_tokens = 320, 1, 16
+    if args.smoke:  # (the suite's check that the script runs: one budget, every arm, short everything)
+        args.context, args.facts, args.decode, budgets, follow, num_texts = 192, 2, 3, [64], 6, 2
+        args.ppl_context, args.ppl_windows, args.ppl_tokens = 192, 1, 16
     longest = max(args.context, args.ppl_context) + 64
     probe = LLM("smollm2", max_model_len=64, num_kv_blocks=8).llm_engine
     cfg, dtype = probe.runner.model.config, parse_dtype(probe.dtype_name)
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     ids = tok.encode(english_corpus(), add_special_tokens=False)
 
     cases = planted_facts(tok, ids, args.facts, args.context)
-    texts = contexts(ids, 4, args.context)
+    texts = contexts(ids, num_texts, args.context)
     windows = contexts(ids, args.ppl_windows, args.ppl_context)
     start = args.ppl_context - args.ppl_tokens - 1
     rows, reference = {}, None
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
             out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=7, kv_eviction=policy),
                                use_tqdm=False)  # fmt: skip
             found += code in out[0].outputs[0].text
-        conts = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True,
+        conts = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=follow, ignore_eos=True,
                                                    kv_eviction=policy), use_tqdm=False)  # fmt: skip
         conts = [o.outputs[0].token_ids for o in conts]
         reference = reference or conts
@@ -167,8 +167,10 @@ def main(argv: list[str] | None = None) -> None:
             f"({dtype_name}), {cost['int8']} (int8), {cost['int4']} (int4)")  # fmt: skip
     lines = [head, "", f"perplexity of the last {args.ppl_tokens} tokens of {args.ppl_windows} windows of "
              f"{args.ppl_context} tokens; {args.facts} planted facts in {args.context}-token texts; greedy "
-             f"continuations of 32 tokens of 4 such texts; decode rate of those 4 at once", "",
-             "| arm | KV bytes per sequence | perplexity | facts retrieved | tokens agreeing (of 32) | decode tok/s |",
+             f"continuations of {follow} tokens of {num_texts} such texts; decode rate of those {num_texts} "
+             "at once", "",
+             f"| arm | KV bytes per sequence | perplexity | facts retrieved | tokens agreeing (of {follow}) "
+             "| decode tok/s |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     for arm, r in rows.items():
         size = "all" if r["bytes_per_seq"] is None else f"{r['bytes_per_seq'] / 2**20:.1f} MiB"

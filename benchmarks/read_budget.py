@@ -80,11 +80,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ppl-tokens", type=int, default=256, help="scored at the end of each window")
     suite_args(ap)
     args = parse(ap, argv, __file__)
-    budgets = [256, 512, 1024]
+    budgets, follow = [256, 512, 1024], 32  # follow: tokens of each greedy continuation compared
     if args.quick:
         args.shapes, args.facts, args.ppl_windows, args.ppl_context = "8x4096", 6, 2, 4096
-    if args.smoke:
-        args.shapes, args.context, args.decode, args.facts, budgets = "2x320", 320, 3, 2, [64, 128]
+    if args.smoke:  # (the suite's check that the script runs: one budget, every arm, short everything)
+        args.shapes, args.context, args.decode, args.facts, budgets, follow = "2x320", 320, 3, 2, [64], 6
         args.ppl_context, args.ppl_windows, args.ppl_tokens = 320, 1, 16
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     longest = max([c for _, c in shapes] + [args.context, args.ppl_context])
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
             out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=7, **kw), use_tqdm=False)
             found += code in out[0].outputs[0].text
         conts = llm.generate(prompts[: min(4, len(prompts))], SamplingParams(
-            temperature=0.0, max_tokens=32, ignore_eos=True, **kw), use_tqdm=False)  # fmt: skip
+            temperature=0.0, max_tokens=follow, ignore_eos=True, **kw), use_tqdm=False)  # fmt: skip
         conts = [o.outputs[0].token_ids for o in conts]
         reference = reference or conts
         agree = [next((i for i, (a, c) in enumerate(zip(r, x)) if a != c), len(r)) for r, x in zip(reference, conts)]
@@ -151,9 +151,9 @@ def main(argv: list[str] | None = None) -> None:
         full = row["full read"]
         lines.append(f"| {shape} | " + " | ".join(f"{r:.1f} tok/s ({r / full:.2f}x)" for r in row.values()) + " |")
     lines += ["", f"{args.facts} planted facts at random depths of {args.context}-token texts; greedy continuations "
-              f"of 32 tokens of 4 such texts; perplexity of the last {args.ppl_tokens} tokens of "
+              f"of {follow} tokens of 4 such texts; perplexity of the last {args.ppl_tokens} tokens of "
               f"{args.ppl_windows} windows of {args.ppl_context} tokens", "",
-              "| arm | facts retrieved | tokens before parting from the full read (of 32) | perplexity |",
+              f"| arm | facts retrieved | tokens before parting from the full read (of {follow}) | perplexity |",
               "|---|---|---|---|"]  # fmt: skip
     lines += [f"| {a} | {r['retrieved']:.0%} | {r['agree_tokens']:.1f} | {r['perplexity']:.3f} |"
               for a, r in fidelity.items()]  # fmt: skip
