@@ -310,7 +310,7 @@ class EngineConfig:
 def check_ladder(policy: EvictionPolicy, kv_cache_dtype: str) -> None:
     """A demoting policy demotes only to precisions below the cache's own: over an int8 / fp8 cache
     its int8 rung would save nothing (ValueError naming the field)."""
-    if kv_cache_dtype != "auto" and getattr(policy, "int8_tokens", 0):
+    if kv_cache_dtype != "auto" and "int8" in policy.demotes_to():
         raise ValueError(
             f"kv_eviction.int8_tokens must be 0 with kv_cache_dtype={kv_cache_dtype!r}: "
             "blocks are demoted only to precisions below the cache's own"

@@ -14,7 +14,6 @@ import torch
 
 from kvpage.config import EngineConfig
 from kvpage.core import KVCacheManager
-from kvpage.core.block import cdiv
 from kvpage.core.remote_tier import RemoteTier
 from kvpage.core.scheduler import Scheduler
 from kvpage.kvstore import open_store
@@ -225,8 +224,8 @@ def _demoted_pools(config: EngineConfig, cfg: ModelConfig, per_block: int, num_b
     policy, bs = config.kv_eviction, config.block_size
     if not policy.ladder:
         return num_blocks, {}
-    hot, *lower = policy.quotas(bs)  # type: ignore[attr-defined]
-    hot += cdiv(policy.recent_tokens, bs) + 1  # type: ignore[attr-defined]
+    hot, *lower = policy.quotas(bs)
+    hot += policy.window_blocks(bs) + 1
     quota = {p: q for p, q in zip(policy.ladder, lower, strict=True) if q}
     on_device = {p: KVCache.demoted_bytes_per_block(cfg, bs, p) for p in quota if p != "cpu"}
     if config.num_kv_blocks is not None:

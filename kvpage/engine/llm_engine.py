@@ -138,7 +138,7 @@ class LLMEngine:
                 f"kv_eviction: {eviction.name} does not go with deterministic=True "
                 "(its attention mass takes the torch path)"
             )
-        below = eviction.quotas(self.kv_manager.block_size)[1:] if eviction.ladder else ()  # type: ignore[attr-defined]
+        below = eviction.quotas(self.kv_manager.block_size)[1:]
         if any(below) and not self.kv_manager.eviction.cold:
             raise ValueError(
                 f"kv_eviction: {eviction.describe()} needs an engine started with a demoting kv_eviction "

@@ -228,3 +228,18 @@ def test_a_request_without_a_policy_keeps_everything():
         assert req.eviction.chunk_tokens(BS) is None and req.eviction.admission_cap(BS) is None
         assert req.eviction.slots_upto(5, 40) == 40  # slots for every token at once
     assert StreamingLLM(sink_tokens=16, window_tokens=32).slots_upto(5, 40) == 5  # only for what it computes now
+
+
+def test_every_policy_answers_the_whole_protocol():
+    """What the builder, the engine and the config ask a policy, answered by every one of them (no
+    `getattr` with a default, no attribute only some have)."""
+    from kvpage.core.eviction.policies import NO_EVICTION, Demote, EvictionPolicy
+
+    asked = [n for n in vars(EvictionPolicy) if not n.startswith("_")] + list(EvictionPolicy.__annotations__)
+    policies = [NO_EVICTION, StreamingLLM(4, 60), H2O(32, 48), Demote(32, 64, 0, 40, cpu_tokens=16)]
+    for policy in policies:
+        assert all(hasattr(policy, n) for n in asked), [n for n in asked if not hasattr(policy, n)]
+    assert [p.window_blocks(16) for p in policies] == [0, 4, 3, 3]
+    assert [p.quotas(16) for p in policies] == [(), (), (), (2, 4, 0, 1)]
+    assert [p.demotes_to() for p in policies] == [(), (), (), ("int8", "cpu")]
+    assert [p.budget_tokens(16) for p in policies] == [None, 80, 80, 80]

@@ -78,6 +78,17 @@ def settled_scrape(f) -> dict[str, float]:
     raise AssertionError("the replicas' metrics never settled")
 
 
+def index_blocks(f) -> dict[str, int]:
+    """The blocks the KV index knows each replica holds."""
+    return {r: v["blocks"] for r, v in f.stats()["replicas"].items()}
+
+
+def heard(f, replica: str, known: dict[str, int]) -> None:
+    """Until the index has heard of blocks `replica` cached since `known`: it hears by events, after
+    the answer, and routes a shared prefix by what it has heard."""
+    wait_for(lambda: index_blocks(f)[replica] > known.get(replica, 0), 30, f"the index heard of {replica}'s blocks")
+
+
 def client(f) -> openai.OpenAI:
     return openai.OpenAI(base_url=f.url, api_key="x", max_retries=0, timeout=120)
 
@@ -116,11 +127,11 @@ def test_a_shared_prefix_goes_where_its_blocks_are_and_the_client_sees_the_hit(f
     c = client(fleet)
     system = f"You answer for the ACME help desk, ticket {uuid.uuid4().hex}. " * 6
     before = settled_scrape(fleet)  # (not the previous test's last reports)
+    known = index_blocks(fleet)
     first = chat(c, system, "How do I reset my password?")
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     home = holder(fleet, before)
-    # the index hears of the blocks by events, after the answer: route the next ones once it has
-    wait_for(lambda: fleet.stats()["replicas"][home]["blocks"] >= 4, 30, "the index heard of the first's blocks")
+    heard(fleet, home, known)  # (routing by what the index knows)
     routed = fleet.stats()["routed"]
     for user in ("Where is my invoice?", "Can I change my plan?", "Who do I call?"):
         before = scrape(fleet)
@@ -219,15 +230,16 @@ def test_a_killed_replica_fails_only_its_own_requests_and_the_index_forgets_it(f
     c = client(fleet)
     long_sys = f"Long story {uuid.uuid4().hex}. " * 6
     before = settled_scrape(fleet)  # (not the previous test's last reports)
+    known = index_blocks(fleet)
     chat(c, long_sys, "Begin.", 1)
     victim = holder(fleet, before)
+    heard(fleet, victim, known)  # (or the long request may be routed to the other one)
     other = next(r for r in trusted(fleet) if r != victim)
     results: dict[str, object] = {}
 
     def long_request():
         try:
-            # (no end of sequence: it cannot finish on its own before the kill lands, however fast)
-            results["long"] = chat(c, long_sys, "Tell me a very long story.", 800, extra_body={"ignore_eos": True})
+            results["long"] = chat(c, long_sys, "Tell me a very long story.", 400)
         except Exception as e:  # noqa: BLE001 - expected: its replica dies under it
             results["long"] = e
 

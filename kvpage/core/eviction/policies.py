@@ -60,6 +60,10 @@ class EvictionPolicy(Protocol):
     def place(self, kept: Sequence[int], level: Mapping[int, int], num_tokens: int, block_size: int,
               scores: Sequence[float]) -> dict[int, int | None]: ...  # fmt: skip
     def describe(self) -> str: ...
+    def budget_tokens(self, block_size: int) -> int | None: ...  # tokens held in the cache's own precision
+    def window_blocks(self, block_size: int) -> int: ...  # blocks of its recent window (kept whatever the score)
+    def quotas(self, block_size: int) -> tuple[int, ...]: ...  # blocks per level outside the window: own, rungs
+    def demotes_to(self) -> tuple[str, ...]: ...  # the rungs of its ladder it has a quota for
 
     @property
     def ladder(self) -> tuple[str, ...]: ...  # the lower precisions a block may be demoted to, in order
@@ -102,6 +106,18 @@ class NoEviction:
     def describe(self) -> str:
         return "none"
 
+    def budget_tokens(self, block_size: int) -> int | None:
+        return None
+
+    def window_blocks(self, block_size: int) -> int:
+        return 0
+
+    def quotas(self, block_size: int) -> tuple[int, ...]:
+        return ()
+
+    def demotes_to(self) -> tuple[str, ...]:
+        return ()
+
 
 NO_EVICTION = NoEviction()
 
@@ -123,7 +139,17 @@ class _Bounded:
         return computed_after
 
     def admission_cap(self, block_size: int) -> int | None:
-        return self.budget_tokens(block_size)  # type: ignore[attr-defined]
+        return self.budget_tokens(block_size)
+
+    def budget_tokens(self, block_size: int) -> int:
+        raise NotImplementedError
+
+    def quotas(self, block_size: int) -> tuple[int, ...]:
+        """Blocks per sequence at each level outside the window; () for a policy that only drops."""
+        return ()
+
+    def demotes_to(self) -> tuple[str, ...]:
+        return ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +184,9 @@ class StreamingLLM(_Bounded):
 
     def describe(self) -> str:
         return f"streaming(sink_tokens={self.sink_tokens}, window_tokens={self.window_tokens})"
+
+    def window_blocks(self, block_size: int) -> int:
+        return cdiv(self.window_tokens, block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +223,9 @@ class H2O(_Bounded):
     def describe(self) -> str:
         return f"h2o(heavy_tokens={self.heavy_tokens}, recent_tokens={self.recent_tokens})"
 
+    def window_blocks(self, block_size: int) -> int:
+        return cdiv(self.recent_tokens, block_size)
+
 
 @dataclass(frozen=True, slots=True)
 class Demote(_Bounded):
@@ -221,6 +253,12 @@ class Demote(_Bounded):
         """Blocks per sequence at each level outside the window: hot, int8, int4, cpu."""
         levels = (self.hot_tokens, self.int8_tokens, self.int4_tokens, self.cpu_tokens)
         return tuple(cdiv(t, block_size) for t in levels)
+
+    def window_blocks(self, block_size: int) -> int:
+        return cdiv(self.recent_tokens, block_size)
+
+    def demotes_to(self) -> tuple[str, ...]:
+        return tuple(p for p, t in zip(self.ladder, (self.int8_tokens, self.int4_tokens, self.cpu_tokens)) if t)
 
     def sink_blocks(self, block_size: int) -> int:
         return 0
