@@ -29,6 +29,7 @@ from _report import append_results, parse, recording, save_plot, suite_args, wri
 from kvpage import LLM, SamplingParams
 from kvpage.cpu_kind import machine
 from kvpage.tools.perplexity import english_corpus
+from kvpage.worker.selective import CacheBlend
 
 NAMES = ["Alder", "Birch", "Cedar", "Dahlia", "Elm", "Fern", "Gorse", "Hazel"]
 
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     results, answers = {}, {}
     for arm, k in arms.items():
         ttft, correct, prompt0, copied0 = [], 0, eng.num_prompt_tokens, eng.kv_manager.num_segment_tokens_copied
-        selected0 = eng.runner.selective_tokens["recomputed"]
+        selected0 = eng.runner.hook(CacheBlend).tokens["recomputed"]
         internal0 = eng.num_segment_prefill_tokens  # (a document prefilled alone again: not the arm's own)
         outs = []
         for order, target, question in cases:
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         internal = eng.num_segment_prefill_tokens - internal0
         total = eng.num_prompt_tokens - prompt0 - internal
         copied = eng.kv_manager.num_segment_tokens_copied - copied0
-        selected = eng.runner.selective_tokens["recomputed"] - selected0  # (copied, then recomputed in full)
+        selected = eng.runner.hook(CacheBlend).tokens["recomputed"] - selected0  # (copied, then recomputed in full)
         ppl, scored = [], 0
         for order, target, _ in cases:
             cue = tok.encode(f"\nThe note about {NAMES[target]} again, word for word:", add_special_tokens=False)

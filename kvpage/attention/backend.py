@@ -44,9 +44,9 @@ class AttentionBackend(Protocol):
         decodes(out, q, kv, meta, scale)                the first num_decodes queries, one token each
         prefill_chunk(out, q, k, v, kv, meta, i, scale) sequence i's chunk (its K/V already written)
 
-    and the fallback handles what a fast kernel may decline: H2O's attention mass
-    (`meta.block_mass`), a cache dtype the kernel does not read (fp8), a chunk too long to run as
-    decodes. The CPU backend overrides all three; the Triton backend `write`, `decodes` and `prefills`."""
+    and the fallback handles what a fast kernel may decline: any path but DENSE (`read_path`), a cache
+    dtype the kernel does not read (fp8), a chunk too long to run as decodes. The CPU backend
+    overrides all three; the Triton backend `write`, `decodes` and `prefills`."""
 
     name: str
     fuses_decode: bool
@@ -75,6 +75,37 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
+
+
+# How a sequence is read in one layer (`read_path`), from the plainest to the most demanding.
+DENSE = "dense"  # its table, every block: any backend's kernel
+BOUNDED = "bounded"  # the blocks its read budget chooses by key bounds (key_bounds.py): the CPU kernels, the reference
+MASS = "mass"  # its table, and the mass each block received (H2O): the reference
+DEMOTED = "demoted"  # its table and its demoted blocks, explicitly (demoted.py): the reference
+_RANK = {DENSE: 0, BOUNDED: 1, MASS: 2, DEMOTED: 3}
+
+
+def read_path(meta: AttentionMetadata, i: int, bounded: bool) -> str:
+    """Which path reads sequence i in a layer (`bounded`: the layer keeps key bounds): the one place
+    that decides it from what the step asks of attention (meta.reads)."""
+    reads = meta.reads
+    if reads.empty:
+        return DENSE
+    if reads.demoted_of(i):
+        return DEMOTED
+    if reads.wants_mass(i):
+        return MASS
+    if bounded and i < meta.num_decodes and reads.restricted(i, meta.seq_lens_list[i], meta.block_size):
+        return BOUNDED
+    return DENSE
+
+
+def decodes_path(meta: AttentionMetadata, bounded: bool) -> str:
+    """The path a step's decodes take together (they are attended as one batch): the most demanding
+    of theirs."""
+    if meta.reads.empty:
+        return DENSE
+    return max((read_path(meta, i, bounded) for i in range(meta.num_decodes)), key=_RANK.__getitem__, default=DENSE)
 
 
 def resolve_backend(name: str, device: str | torch.device = "cpu") -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpage.attention.backend import BOUNDED, DENSE, decodes_path, read_path
 from kvpage.attention.key_bounds import RECENT_BLOCKS, SINK_BLOCKS
 from kvpage.attention.layer_kv import LayerKV
 from kvpage.attention.metadata import AttentionMetadata
@@ -59,20 +60,18 @@ class CpuPagedBackend(TorchReferenceBackend):
         self._bounds(kv.k, kv.k_scale, kv.k_min, kv.k_max, slots)
 
     def decodes(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
-        if not _kernel_reads(kv, q.dtype) or meta.block_mass is not None or meta.cold_tables is not None:
-            # H2O's mass, demoted blocks: the reference path
+        path = decodes_path(meta, kv.bounded)
+        if not _kernel_reads(kv, q.dtype) or path not in (DENSE, BOUNDED):  # H2O's mass, demoted blocks
             return super().decodes(out, q, kv, meta, scale)
         n = meta.num_decodes
-        budget = (kv.k_min, kv.k_max, meta.read_blocks) if kv.bounded and meta.read_blocks is not None else ()
+        budget = (kv.k_min, kv.k_max, meta.reads.budgets) if path == BOUNDED else ()
         self._decode_in_place(out[:n], q[:n], kv, meta.block_tables, meta.seq_lens, scale, *budget)
 
     def prefill_chunk(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> None:
         m, n = q.shape[0], meta.seq_lens_list[i]
-        explicit = meta.block_mass is not None and meta.want_mass[i]  # H2O's mass
-        wants_mass = explicit or bool(meta.cold_tables and meta.cold_tables[i])  # or demoted blocks
         limit = self.decode_chunks_up_to
         as_decodes = limit is None or (m < n and m <= limit)
-        if not _kernel_reads(kv, q.dtype) or not as_decodes or wants_mass:
+        if not _kernel_reads(kv, q.dtype) or not as_decodes or read_path(meta, i, kv.bounded) != DENSE:
             return super().prefill_chunk(out, q, k, v, kv, meta, i, scale)
         # query r sits at position n - m + r and sees the keys 0 .. n - m + r: a decode of that length
         tables = meta.block_tables[i : i + 1].expand(m, -1)
@@ -80,7 +79,7 @@ class CpuPagedBackend(TorchReferenceBackend):
         self._decode_in_place(out, q, kv, tables, lens, scale)
 
     def _decode_in_place(self, out, q, kv: LayerKV, tables, lens, scale: float, *budget) -> None:
-        """`budget`: (k_min, k_max, read_blocks) for decodes with a read budget (key_bounds.py)."""
+        """`budget`: (k_min, k_max, blocks each reads) for decodes within a read budget (key_bounds.py)."""
         select = (*budget, SINK_BLOCKS, RECENT_BLOCKS) if budget else ()
         if kv.quantized:
             self._decode_int8(out, q, kv.k, kv.v, kv.k_scale, kv.v_scale, tables, lens, scale, *select)

@@ -8,7 +8,7 @@ moves a block (copy-on-write, swap) moves them too. So are the key bounds of a l
 
 A layer of an engine whose eviction policy demotes blocks (core/eviction: Demote) also carries the
 same layer of each lower precision's pool in `cold` ({"int8": LayerKV, "int4": Int4KV}), so the
-attention backend reads a sequence's demoted blocks beside its table's (AttentionMetadata.cold_tables).
+attention backend reads a sequence's demoted blocks beside its table's (demoted.py).
 Every store answers `put` (write whole blocks from float32) and `dequantized` (read them back).
 """
 

@@ -12,16 +12,8 @@ A query at position p of its sequence sees the keys at positions <= p. For a chu
 sequence of seq_len keys, query r sits at position seq_len - q + r. (Here positions are those in
 the table: a sequence whose eviction policy released blocks has fewer keys than tokens.)
 
-block_mass (H2O): when some sequence wants it, [num_seqs, max_blocks] float32 that each layer's
-attention adds the softmax mass every block of the table received to (summed over heads and the
-sequence's queries); the reference path computes it, rows that do not want it may stay zero.
-
-cold_tables (blocks demoted to a lower precision, core/eviction: Demote): when some sequence has
-them, per sequence its (precision, block id) list, read from `LayerKV.cold` after its table's
-blocks (all full, all before its queries); cold_mass [num_seqs, max_cold] is their H2O mass.
-
-read_blocks (a read budget, key_bounds.py): when some decode has one, [num_seqs] int64, the blocks
-each decode reads in the layers that keep key bounds (0: all of them; prefill chunks always 0).
+reads: what attention reads beyond the tables, and reports back (H2O's mass, a read budget,
+demoted blocks: read_plan.py); empty for most steps.
 """
 
 from __future__ import annotations
@@ -30,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpage.attention import key_bounds
+from kvpage.attention.read_plan import Demoted, ReadPlan
 from kvpage.core.block import cdiv
 
 DECODE_GROUP = 32  # decodes attended together; bigger groups pad more, smaller ones loop more
@@ -45,11 +37,7 @@ class AttentionMetadata:
     seq_lens_list: list[int]  # the same as seq_lens, plain ints
     num_decodes: int  # the first num_decodes sequences have exactly one query token
     block_size: int
-    want_mass: list[bool] = field(default_factory=list)
-    block_mass: torch.Tensor | None = None
-    read_blocks: torch.Tensor | None = None
-    cold_tables: list[list[tuple[str, int]]] | None = None
-    cold_mass: torch.Tensor | None = None
+    reads: ReadPlan = field(default_factory=ReadPlan)
     _groups: list[tuple[torch.Tensor, int, torch.Tensor]] | None = field(default=None, repr=False)
     _query_start: torch.Tensor | None = field(default=None, repr=False)
 
@@ -100,10 +88,10 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         want_mass: list[bool] | None = None,
         read_budgets: list[int | None] | None = None,
-        cold_tables: list[list[tuple[str, int]]] | None = None,
+        demoted: list[Demoted] | None = None,
     ) -> AttentionMetadata:
-        """From plain lists. Decodes (query length 1) must come first. `read_budgets`: tokens each
-        sequence's decode may read (None: all), applied to decodes only."""
+        """From plain lists. Decodes (query length 1) must come first. `want_mass`, `read_budgets`,
+        `demoted`: per sequence, what it reads besides its table (ReadPlan.build)."""
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
             num_decodes += 1
@@ -119,15 +107,8 @@ class AttentionMetadata:
             slots.extend(table[t // block_size] * block_size + t % block_size for t in range(n - q, n))
         width = max((len(t) for t in block_tables), default=0)
         padded = [t + [0] * (width - len(t)) for t in block_tables]
-        want = list(want_mass) if want_mass is not None else [False] * len(query_lens)
-        mass = torch.zeros(len(query_lens), width, device=device) if any(want) else None
-        budgets = [
-            key_bounds.read_blocks(b, block_size) if i < num_decodes else 0 for i, b in enumerate(read_budgets or [])
-        ]
-        reads = torch.tensor(budgets, dtype=torch.int64, device=device) if any(budgets) else None
-        cold = [list(c) for c in cold_tables] if cold_tables and any(cold_tables) else None
-        cold_width = max(map(len, cold)) if cold else 0
-        cold_mass = torch.zeros(len(query_lens), cold_width, device=device) if cold and any(want) else None
+        reads = ReadPlan.build(num_decodes, width, block_size, device, want_mass, read_budgets, demoted,
+                               len(query_lens))  # fmt: skip
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             block_tables=torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(padded), width),
@@ -136,9 +117,5 @@ class AttentionMetadata:
             seq_lens_list=list(seq_lens),
             num_decodes=num_decodes,
             block_size=block_size,
-            want_mass=want,
-            block_mass=mass,
-            read_blocks=reads,
-            cold_tables=cold,
-            cold_mass=cold_mass,
+            reads=reads,
         )

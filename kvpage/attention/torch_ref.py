@@ -15,14 +15,12 @@ longest chunk): a chunk with no earlier context uses its fresh K/V with a causal
 cached context gathers its keys and masks by position. A quantized cache (int8 / fp8) is quantized
 as it is written and dequantized as it is gathered, in float32 then the compute dtype.
 
-A sequence with demoted blocks (AttentionMetadata.cold_tables; core/eviction: Demote) is attended
-explicitly, decode or chunk alike (`_explicit`): its demoted blocks, dequantized from their pools
-(`LayerKV.cold`), join its table's keys ahead of them, unmasked (all precede its queries), and the
-softmax mass each received goes to `cold_mass`.
-
-H2O's attention mass (AttentionMetadata.block_mass) comes from here: decodes sum the probabilities
-they compute anyway per block; a prefill chunk that wants it is attended with explicit scores
-instead of the fused SDPA, which does not return them.
+Which path reads a sequence is backend.read_path's to say. A sequence with demoted blocks (DEMOTED;
+demoted.py) is attended explicitly, decode or chunk alike (`_explicit`): its demoted blocks join its
+table's keys ahead of them, unmasked (all precede its queries). H2O's attention mass (MASS;
+meta.reads.mass) comes from here: decodes sum the probabilities they compute anyway per block; a
+prefill chunk that wants it is attended with explicit scores instead of the fused SDPA, which does
+not return them. A decode within a read budget (BOUNDED) reads the blocks key_bounds.py chooses.
 """
 
 from __future__ import annotations
@@ -31,8 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from kvpage.attention import key_bounds
+from kvpage.attention.backend import BOUNDED, DEMOTED, MASS, decodes_path, read_path
+from kvpage.attention.demoted import demoted_kv
 from kvpage.attention.kv_quant import dequantize, quantize
-from kvpage.attention.layer_kv import LayerKV, read_named_blocks
+from kvpage.attention.layer_kv import LayerKV
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.core.block import cdiv
 
@@ -97,9 +97,10 @@ class TorchReferenceBackend:
 
     def decodes(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
         """out[:num_decodes] = attention of the first num_decodes queries (one token each)."""
-        if meta.read_blocks is not None and kv.bounded:
+        path = decodes_path(meta, kv.bounded)
+        if path == BOUNDED:
             return self._decodes_within_budget(out, q, kv, meta, scale)
-        if meta.cold_tables is not None:  # some sequence reads demoted blocks: one at a time
+        if path == DEMOTED:  # some decode reads demoted blocks: one at a time
             for i in range(meta.num_decodes):
                 self._explicit(out[i : i + 1], q[i : i + 1], None, None, kv, meta, i, scale)
             return
@@ -118,8 +119,7 @@ class TorchReferenceBackend:
         Sapphire Rapids pick differently)."""
         bs, kv_heads = meta.block_size, kv.k.shape[1]
         group = q.shape[1] // kv_heads
-        budgets = meta.read_blocks.tolist()  # type: ignore[union-attr]
-        restricted = [0 < budgets[i] < cdiv(meta.seq_lens_list[i], bs) for i in range(meta.num_decodes)]
+        restricted = [read_path(meta, i, True) == BOUNDED for i in range(meta.num_decodes)]
         for rows, max_len, bias in meta.decode_groups:
             if not all(restricted[r] for r in rows.tolist()):
                 out[rows] = self._decode_group(q[rows], rows, max_len, bias, kv, meta, scale)
@@ -128,7 +128,7 @@ class TorchReferenceBackend:
                 continue
             n, table = meta.seq_lens_list[i], meta.block_tables[i]
             qi = q[i].float() * scale  # [heads, d]
-            chosen = key_bounds.choose_blocks(qi, kv, table, n, int(meta.read_blocks[i]))  # type: ignore[index]
+            chosen = key_bounds.choose_blocks(qi, kv, table, n, int(meta.reads.budgets[i]))  # type: ignore[index]
             for h in range(kv_heads):
                 j = chosen[h]
                 blocks = table[j]
@@ -152,7 +152,7 @@ class TorchReferenceBackend:
     def prefill_chunk(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> None:
         """out = attention of the chunk's queries (sequence i, its last len(q) positions)."""
         n = meta.seq_lens_list[i]
-        if (meta.block_mass is not None and meta.want_mass[i]) or (meta.cold_tables and meta.cold_tables[i]):
+        if read_path(meta, i, kv.bounded) in (MASS, DEMOTED):
             return self._explicit(out, q, k, v, kv, meta, i, scale)
         # 4-D inputs ([1, heads, tokens, d]): torch's fused CPU kernel takes those, and is 3-4x
         # faster than the generic path that 3-D inputs fall back to.
@@ -172,7 +172,7 @@ class TorchReferenceBackend:
     def _explicit(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> None:
         """Explicit attention of sequence i's queries (a prefill chunk, or one decode with k = v = None)
         over its demoted blocks, if any, then its table's keys; each block's softmax mass is added to
-        block_mass[i] (and cold_mass[i]) when it wants it."""
+        its read plan's when it wants it."""
         m, n, bs = q.shape[0], meta.seq_lens_list[i], meta.block_size
         if m == n and k is not None:
             keys, values = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, n, d]
@@ -180,9 +180,9 @@ class TorchReferenceBackend:
             table = meta.block_tables[i]
             keys = gather_kv(kv.k, table, n, kv.k_scale, q.dtype)
             values = gather_kv(kv.v, table, n, kv.v_scale, q.dtype)
-        cold = meta.cold_tables[i] if meta.cold_tables else []
+        cold = meta.reads.demoted_of(i)
         if cold:
-            ck, cv = self._cold_kv(kv, cold, q.dtype)
+            ck, cv = demoted_kv(kv, cold, q.dtype)
             keys, values = torch.cat((ck, keys), 1), torch.cat((cv, values), 1)
         c = len(cold) * bs  # the demoted keys come first, visible to every query
         kv_heads, d = keys.shape[0], keys.shape[2]
@@ -191,21 +191,13 @@ class TorchReferenceBackend:
         scores = torch.bmm(qh, keys.transpose(1, 2)).float().mul_(scale).view(kv_heads, group, m, c + n)
         visible = torch.arange(-c, n, device=q.device)[None, :] <= torch.arange(n - m, n, device=q.device)[:, None]
         probs = scores.masked_fill_(~visible, float("-inf")).softmax(-1)
-        if meta.block_mass is not None and meta.want_mass[i]:
+        if meta.reads.wants_mass(i):
             nb = cdiv(n, bs)
             per_token = probs.sum((0, 1, 2))
-            meta.block_mass[i, :nb] += F.pad(per_token[c:], (0, nb * bs - n)).view(nb, bs).sum(-1)
-            if cold:
-                meta.cold_mass[i, : len(cold)] += per_token[:c].view(len(cold), bs).sum(-1)  # type: ignore[index]
+            table_mass = F.pad(per_token[c:], (0, nb * bs - n)).view(nb, bs).sum(-1)
+            meta.reads.add_mass(i, table_mass, per_token[:c].view(len(cold), bs).sum(-1) if cold else None)
         o = torch.bmm(probs.view(kv_heads, group * m, c + n).to(q.dtype), values)
         out.copy_(o.view(kv_heads, group, m, d).permute(2, 0, 1, 3).reshape(m, -1, d))
-
-    @staticmethod
-    def _cold_kv(kv: LayerKV, cold: list[tuple[str, int]], dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The demoted blocks' K and V, in the order listed, dequantized: [kv_heads, blocks x bs, d] each."""
-        heads, d = kv.k.shape[1], kv.k.shape[3]
-        k, v = read_named_blocks(kv.cold, cold, kv.k.device)  # type: ignore[arg-type]  # (the "cpu" rung: host memory)
-        return (k.transpose(0, 1).reshape(heads, -1, d).to(dtype), v.transpose(0, 1).reshape(heads, -1, d).to(dtype))
 
     def _gather(self, name: str, cache_head: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """cache_head[blocks] ([num_blocks, bs, d] view of one kv head) into a reused, contiguous buffer."""
@@ -233,7 +225,7 @@ class TorchReferenceBackend:
                 values = dequantize(values, kv.v_scale[:, h][blocks].view(n, nb * bs), q.dtype)
             scores = torch.bmm(qg[:, h], keys.transpose(1, 2)).float()  # [n, group, L]
             probs = torch.add(bias, scores, alpha=scale).softmax(-1)  # bias masks the padding
-            if meta.block_mass is not None:  # H2O: each block's share of the softmax
-                meta.block_mass[:, :nb].index_add_(0, rows, probs.sum(1).view(n, nb, bs).sum(-1))
+            if meta.reads.mass is not None:  # H2O: each block's share of the softmax
+                meta.reads.mass[:, :nb].index_add_(0, rows, probs.sum(1).view(n, nb, bs).sum(-1))
             out[:, h] = torch.bmm(probs.to(q.dtype), values)
         return out.view(n, -1, d)

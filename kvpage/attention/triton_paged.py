@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from kvpage.attention.backend import DENSE, decodes_path, read_path
 from kvpage.attention.layer_kv import LayerKV
 from kvpage.attention.metadata import AttentionMetadata
 from kvpage.attention.torch_ref import TorchReferenceBackend
@@ -85,9 +86,8 @@ class TritonPagedBackend(TorchReferenceBackend):
         )  # fmt: skip
 
     def decodes(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
-        if (not _covered(kv) or meta.block_mass is not None or meta.cold_tables is not None
-                or (meta.read_blocks is not None and kv.bounded)):  # fmt: skip
-            return super().decodes(out, q, kv, meta, scale)  # (a read budget: the reference's selection)
+        if not _covered(kv) or decodes_path(meta, kv.bounded) != DENSE:  # (a read budget: the reference's choice)
+            return super().decodes(out, q, kv, meta, scale)
         n = meta.num_decodes
         num_kv_heads, block_size, d = kv.k.shape[1:]
         heads = q.shape[1]
@@ -116,8 +116,8 @@ class TritonPagedBackend(TorchReferenceBackend):
         first, count = meta.num_decodes, meta.num_seqs - meta.num_decodes
         if count == 0:
             return
-        wants_mass = (meta.block_mass is not None and any(meta.want_mass[first:])) or meta.cold_tables is not None
-        if not _covered(kv) or wants_mass:
+        dense = all(read_path(meta, i, kv.bounded) == DENSE for i in range(first, meta.num_seqs))
+        if not _covered(kv) or not dense:
             return super().prefills(out, q, k, v, kv, meta, scale)
         num_kv_heads, block_size, d = kv.k.shape[1:]
         heads = q.shape[1]

@@ -25,6 +25,8 @@ from kvpage.models.tokenizer import Tokenizer
 from kvpage.worker.gpu_memory import profile_kv_budget
 from kvpage.worker.kv_cache import KVCache, kv_dtype_name
 from kvpage.worker.model_runner import ModelRunner
+from kvpage.worker.selective import CacheBlend
+from kvpage.worker.step_hooks import AttentionMass, ReadBudgetCount, StepHook, WriteThrough
 
 DEFAULT_KV_CACHE_MEMORY = 512 * 2**20
 
@@ -114,6 +116,7 @@ class ShardParts:
     num_tier_blocks: int
     kv_cache: KVCache
     runner: ModelRunner
+    remote: RemoteTier | None  # the shared tier (rank 0's), or None
 
 
 def build_shard(config: EngineConfig, group=None) -> ShardParts:
@@ -148,10 +151,23 @@ def build_shard(config: EngineConfig, group=None) -> ShardParts:
     kv_cache = KVCache(local, num_blocks, config.block_size, dtype, config.device, num_cpu_blocks,
                        config.kv_cache_dtype, num_tier_blocks, backend=backend, key_bounds=bounds,
                        cold_blocks=cold)  # fmt: skip
-    runner = ModelRunner(loaded.model, kv_cache, config.device, group=group,
-                         computes_logits=group is None or group.rank == 0)  # fmt: skip
+    rank0 = group is None or group.rank == 0
+    remote = _remote_tier(config, loaded, dtype_name, kv_cache) if config.remote_kv and rank0 else None
+    runner = ModelRunner(loaded.model, kv_cache, config.device, _step_hooks(config, local, group, kv_cache, remote),
+                         group=group, computes_logits=rank0)  # fmt: skip
     return ShardParts(loaded, dtype_name, dtype_reason, dtype, per_block, num_blocks, note, cold, num_cpu_blocks,
-                      num_tier_blocks, kv_cache, runner)  # fmt: skip
+                      num_tier_blocks, kv_cache, runner, remote)  # fmt: skip
+
+
+def _step_hooks(config: EngineConfig, local, group, kv_cache: KVCache, remote) -> list[StepHook]:
+    """What the features add around each forward (worker/step_hooks.py): H2O's mass and CacheBlend
+    may be asked by any request; a read budget's counts and the write-through only when configured."""
+    hooks: list[StepHook] = [AttentionMass(local.num_layers, local.num_heads, group), CacheBlend(local.num_layers)]
+    if config.kv_read_budget is not None:
+        hooks.append(ReadBudgetCount())
+    if remote is not None:
+        hooks.append(WriteThrough(remote, kv_cache))
+    return hooks
 
 
 def _build(config: EngineConfig, group) -> EngineParts:
@@ -173,7 +189,7 @@ def _build(config: EngineConfig, group) -> EngineParts:
     block_size, per_block, num_blocks, cold = config.block_size, shard.per_block, shard.num_blocks, shard.cold
     num_cpu_blocks, num_tier_blocks = shard.num_cpu_blocks, shard.num_tier_blocks
     max_model_len = _max_model_len(config, loaded.config.max_position_embeddings, num_blocks, block_size)
-    remote = _remote_tier(config, loaded, shard.dtype_name, kv_cache) if config.remote_kv else None
+    remote = shard.remote
     kv_manager = KVCacheManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                 enable_prefix_caching=config.enable_prefix_caching, watermark=config.watermark,
                                 bytes_per_block=per_block, num_tier_blocks=num_tier_blocks,
@@ -182,7 +198,6 @@ def _build(config: EngineConfig, group) -> EngineParts:
                           max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                           preemption_mode=config.preemption_mode)  # fmt: skip
     runner = shard.runner
-    runner.remote = remote
     return EngineParts(shard.dtype_name, shard.dtype_reason, kernels, loaded.config, loaded.tokenizer,
                        kv_dtype_name(config.kv_cache_dtype, dtype), per_block, shard.note, max_model_len, kv_manager,
                        kv_cache, runner, scheduler, remote)  # fmt: skip

@@ -40,6 +40,7 @@ from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams, parse_kv_eviction
 from kvpage.worker.model_runner import ModelRunnerOutput
 from kvpage.worker.sampler import Sampler
+from kvpage.worker.step_hooks import ReadBudgetCount
 
 _log = logging.getLogger("kvpage")
 
@@ -273,11 +274,12 @@ class LLMEngine:
 
     def _stats(self) -> EngineStats:
         sched = self.scheduler
+        budget = self.runner.hook(ReadBudgetCount)
+        read, context = (budget.blocks["read"], budget.blocks["context"]) if budget is not None else (0, 0)
         return EngineStats(self.num_steps, self.kv_manager.stats(), len(sched.running), len(sched.waiting),
                            len(sched.swapped), sched.num_preemptions, self.num_prompt_tokens,
                            self.num_generation_tokens, self.num_kv_verified_blocks, self.num_kv_mismatches,
-                           self.step_tokens.frozen(), self.runner.budget_blocks["read"],
-                           self.runner.budget_blocks["context"])  # fmt: skip
+                           self.step_tokens.frozen(), read, context)  # fmt: skip
 
     def verify_kv_cache(self, sample: int = 4, seed: int = 0) -> KVVerifyReport:
         """Check the blocks in use (finite, in range) and, in deterministic mode, recompute `sample`

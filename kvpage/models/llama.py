@@ -19,6 +19,7 @@ from torch import nn
 
 from kvpage.attention import AttentionBackend, AttentionMetadata, LayerKV, get_backend
 from kvpage.models.config import ModelConfig
+from kvpage.models.layer_hook import LayerHook
 from kvpage.models.layer_ops import TorchLayerOps, rms_norm_ref
 
 
@@ -175,28 +176,30 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[LayerKV],  # per layer
         meta: AttentionMetadata,
-        selective=None,  # CacheBlend's selective recompute of reused KV (worker/selective.py)
+        hook: LayerHook | None = None,  # runs around each layer (the model runner's step hooks give it)
     ) -> torch.Tensor:  # hidden states [T, hidden]
-        return self.run_layers(*self.embed(input_ids, positions), kv_caches, meta, selective)
+        return self.run_layers(*self.embed(input_ids, positions), kv_caches, meta, hook)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """(embeddings [T, hidden], cos, sin): what every layer starts from."""
         x = self.embed_tokens(input_ids)
         return (x, *self.rotary(positions, x.dtype))
 
-    def run_layers(self, x, cos, sin, kv_caches: list[LayerKV], meta: AttentionMetadata, selective=None):
-        """Every decoder layer, then the final norm: hidden states [T, hidden]. With `selective`, the
-        layers after its check layer run only the rows it keeps, under the metadata it builds."""
+    def run_layers(self, x, cos, sin, kv_caches: list[LayerKV], meta: AttentionMetadata, hook: LayerHook | None = None):
+        """Every decoder layer, then the final norm: hidden states [T, hidden]. A `hook` sees each
+        layer's cache before and after it runs, may narrow the rows (and metadata) the later layers
+        run, and gives the final hidden states back at the step's rows."""
         delta = None
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            check = selective is not None and i == selective.layer
-            before = selective.read(kv) if check else None
+            if hook is not None:
+                hook.before_layer(i, kv)
             x, delta = layer(x, delta, cos, sin, kv, meta)
-            if check:
-                rows, meta = selective.narrow(before, selective.read(kv))
-                x, delta, cos, sin = x[rows], delta[rows], cos[rows], sin[rows]
+            if hook is not None:
+                rows, narrowed = hook.after_layer(i, kv)
+                if rows is not None:
+                    x, delta, cos, sin, meta = x[rows], delta[rows], cos[rows], sin[rows], narrowed
         hidden = self.ops.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
-        return hidden if selective is None else selective.widen(hidden)
+        return hidden if hook is None else hook.finish(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.head_weight  # a QuantizedWeight under weight-only quantization

@@ -19,6 +19,7 @@ import weakref
 
 import torch
 
+from kvpage.attention.backend import BOUNDED, DENSE, decodes_path
 from kvpage.attention.key_bounds import RECENT_BLOCKS, SINK_BLOCKS
 from kvpage.attention.layer_kv import LayerKV
 from kvpage.attention.metadata import AttentionMetadata
@@ -55,9 +56,10 @@ class FusedDecode:
 
     def run(self, x, cos, sin, kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor | None:
         """The final-norm hidden states [T, hidden] of a pure decode step, or None if it does not apply."""
-        explicit = meta.block_mass is not None or meta.cold_tables is not None  # H2O's mass, demoted blocks
-        if meta.num_decodes != meta.num_seqs or explicit or not self.applies_to(self.model):
-            return None
+        path = decodes_path(meta, not meta.reads.empty and any(kv.bounded for kv in kv_caches))
+        if meta.num_decodes != meta.num_seqs or path not in (DENSE, BOUNDED) or not self.applies_to(self.model):
+            return None  # (H2O's mass, demoted blocks: the reference, layer by layer)
+        budgets = meta.reads.budgets if path == BOUNDED else None  # blocks each decode reads (key_bounds.py)
         if x.dtype not in KERNEL_DTYPES:
             return None
         weights = self._layer_weights()
@@ -71,15 +73,14 @@ class FusedDecode:
         limit = (ops.policy.quantized if bits else ops.policy.plain)[x.dtype]
         cfg, attn = self.model.config, self.model.layers[0].self_attn
         if self.model.comm is not None:
-            return self._run_sharded(x, cos, sin, flat, bits, bias, caches, kv_caches, meta, 0 < rows <= limit)
+            return self._run_sharded(x, cos, sin, flat, bits, bias, caches, kv_caches, meta, 0 < rows <= limit, budgets)
         return torch.ops.kvpage.decode_layers(
             x, cos, sin, flat, bits, bias, *caches, meta.block_tables, meta.seq_lens, meta.slot_mapping,
             self.model.norm.weight, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, attn.scale,
-            0 < rows <= limit, ops.policy.one_order, *_bounds_lists(kv_caches), meta.read_blocks,
-            SINK_BLOCKS, RECENT_BLOCKS,
+            0 < rows <= limit, ops.policy.one_order, *_bounds_lists(kv_caches), budgets, SINK_BLOCKS, RECENT_BLOCKS,
         )  # fmt: skip
 
-    def _run_sharded(self, x, cos, sin, flat, bits, bias, caches, kv_caches, meta, kernel_linear: bool):
+    def _run_sharded(self, x, cos, sin, flat, bits, bias, caches, kv_caches, meta, kernel_linear: bool, budgets):
         """A tensor-parallel rank's decode: decode_layers' two halves of each layer in one call each (the
         same C++ functions), the row-parallel outputs all-reduced between them."""
         model, k = self.model, torch.ops.kvpage
@@ -95,8 +96,8 @@ class FusedDecode:
                 x, delta, cos, sin, w, bits, bias[i] if bias else None, ks[i], vs[i],
                 kscales[i] if kscales else None, vscales[i] if vscales else None, meta.block_tables, meta.seq_lens,
                 meta.slot_mapping, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, eps, scale, kernel_linear,
-                one_order, mins[i] if bounded else None, maxs[i] if bounded else None, meta.read_blocks,
-                SINK_BLOCKS, RECENT_BLOCKS,
+                one_order, mins[i] if bounded else None, maxs[i] if bounded else None, budgets, SINK_BLOCKS,
+                RECENT_BLOCKS,
             )  # fmt: skip
             comm.all_reduce(attn)
             delta = k.decode_mlp_part(x, attn, w, bits, eps, kernel_linear, one_order)

@@ -43,7 +43,7 @@ def build_inputs(scheduled: list[ScheduledSequence], block_size: int, device: to
     meta = AttentionMetadata.build(
         [len(s.token_ids) for s in seqs], [s.kv_len for s in seqs], [s.block_table for s in seqs], block_size, device,
         want_mass=[s.want_mass for s in seqs], read_budgets=[s.read_budget for s in seqs],
-        cold_tables=[s.cold_blocks for s in seqs],
+        demoted=[s.cold_blocks for s in seqs],
     )  # fmt: skip
     return ModelInputs(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),

@@ -17,6 +17,9 @@ kept rows are a ragged batch of their own: every run of consecutive kept rows of
 an entry of a new `AttentionMetadata` (same block table; decodes first, as the metadata wants).
 `widen` puts the final hidden states back at their rows of the step; a dropped row's stays zero,
 and nothing reads it (the logits rows and every ordinary row are kept).
+
+`SelectiveRecompute` is the model's layer hook for one step (models/layer_hook.py); `CacheBlend` is
+the model runner's step hook that makes one when a step asks for it (worker/step_hooks.py).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 
 from kvpage.attention import AttentionMetadata, LayerKV
 from kvpage.core.scheduler_output import ScheduledSequence
+from kvpage.worker.step_hooks import StepHook
 
 CHECK_LAYER = 1
 
@@ -50,6 +54,20 @@ class SelectiveRecompute:
         self.num_candidates, self.num_kept = len(rows), 0
         self.rows: torch.Tensor | None = None
         self.narrowed: AttentionMetadata | None = None
+        self._before: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # the layer hook (models/layer_hook.py)
+    def before_layer(self, i: int, kv: LayerKV) -> None:
+        if i == self.layer:
+            self._before = self.read(kv)
+
+    def after_layer(self, i: int, kv: LayerKV) -> tuple[torch.Tensor | None, AttentionMetadata | None]:
+        if i != self.layer:
+            return None, None
+        return self.narrow(self._before, self.read(kv))
+
+    def finish(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.widen(hidden)
 
     def read(self, kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
         """The copied tokens' K/V in this layer's cache (before the layer writes: the copy; after: new)."""
@@ -91,7 +109,7 @@ class SelectiveRecompute:
             [self.seqs[i].block_table for _, i in entries], self.meta.block_size, device,
             want_mass=[self.seqs[i].want_mass for _, i in entries],
             read_budgets=[self.seqs[i].read_budget for _, i in entries],
-            cold_tables=[self.seqs[i].cold_blocks for _, i in entries],
+            demoted=[self.seqs[i].cold_blocks for _, i in entries],
         )  # fmt: skip
         self.rows = torch.tensor([r for run, _ in entries for r in run], dtype=torch.int64, device=device)
         return self.rows, self.narrowed
@@ -103,14 +121,8 @@ class SelectiveRecompute:
             return hidden
         full = hidden.new_zeros(self.meta.num_tokens, hidden.shape[1])
         full[self.rows] = hidden
-        mass = self.narrowed.block_mass if self.narrowed is not None else None
-        if mass is not None and self.meta.block_mass is not None:
-            index = torch.tensor(self.entry_of, dtype=torch.int64, device=mass.device)
-            self.meta.block_mass[:, : mass.shape[1]].index_add_(0, index, mass)
-        cold = self.narrowed.cold_mass if self.narrowed is not None else None
-        if cold is not None and self.meta.cold_mass is not None:  # a demoting sequence's demoted blocks
-            index = torch.tensor(self.entry_of, dtype=torch.int64, device=cold.device)
-            self.meta.cold_mass[:, : cold.shape[1]].index_add_(0, index, cold)
+        if self.narrowed is not None:  # H2O's mass of the later layers, to the step's own entries
+            self.meta.reads.add_rows(self.narrowed.reads, torch.tensor(self.entry_of, dtype=torch.int64))
         return full
 
 
@@ -119,3 +131,23 @@ def selective_recompute(seqs: list[ScheduledSequence], meta: AttentionMetadata, 
     if all(s.select_ratio is None for s in seqs):
         return None
     return SelectiveRecompute(seqs, meta, num_layers)
+
+
+class CacheBlend(StepHook):
+    """The step hook: a step with copied tokens to check runs the model with a SelectiveRecompute.
+    Counts the reused tokens that took part and those recomputed past the check layer."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.tokens = {"candidates": 0, "recomputed": 0}
+        self._step: SelectiveRecompute | None = None
+
+    def layer_hook(self, inputs) -> SelectiveRecompute | None:
+        self._step = selective_recompute(inputs.sequences, inputs.meta, self.num_layers)
+        return self._step
+
+    def after_forward(self, inputs) -> None:
+        if self._step is not None:
+            self.tokens["candidates"] += self._step.num_candidates
+            self.tokens["recomputed"] += self._step.num_kept
+            self._step = None

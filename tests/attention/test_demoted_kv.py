@@ -103,16 +103,16 @@ def test_attention_over_demoted_blocks_equals_attention_with_them_in_place(backe
         metas = [
             AttentionMetadata.build([m], [n], [dense_table], BS, want_mass=[True]),
             AttentionMetadata.build(
-                [m], [n - 2 * BS], [table], BS, want_mass=[True], cold_tables=[[("int8", 2), ("int4", 1)]]
+                [m], [n - 2 * BS], [table], BS, want_mass=[True], demoted=[[("int8", 2), ("int4", 1)]]
             ),  # fmt: skip
         ]
         outs = []
         for cache, meta in zip((dense, kv), metas, strict=True):
             outs.append(backend.forward(q, knew, vnew, cache, meta, D**-0.5).float())
         assert torch.allclose(outs[0], outs[1], atol=1e-5 if dtype == torch.float32 else 2e-2)
-        dense_mass, mass = metas[0].block_mass[0], metas[1].block_mass[0]
+        dense_mass, mass = metas[0].reads.mass[0], metas[1].reads.mass[0]
         assert torch.allclose(mass[: len(table)], dense_mass[[1, 3, 4, 5]], atol=1e-4)
-        assert torch.allclose(metas[1].cold_mass[0], dense_mass[[0, 2]], atol=1e-4)
+        assert torch.allclose(metas[1].reads.demoted_mass[0], dense_mass[[0, 2]], atol=1e-4)
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
@@ -126,7 +126,7 @@ def test_a_first_token_decoded_beside_a_sequence_with_demoted_blocks(backend_nam
     kv.cold["int8"].put(torch.tensor([1]), k[:1], v[:1])
     kv.k[2], kv.v[2] = k[1], v[1]
     meta = AttentionMetadata.build([1, 1], [BS, 1], [[2], [5]], BS, want_mass=[True, False],
-                                   cold_tables=[[("int8", 1)], []])  # fmt: skip
+                                   demoted=[[("int8", 1)], []])  # fmt: skip
     g = torch.Generator().manual_seed(6)
     q, knew, vnew = (
         torch.randn(2, H, D, generator=g),
@@ -136,6 +136,6 @@ def test_a_first_token_decoded_beside_a_sequence_with_demoted_blocks(backend_nam
     out = backend.forward(q, knew, vnew, kv, meta, D**-0.5)
     # the first token sees only itself: its value, for each query head of the group
     assert torch.allclose(out[1], vnew[1].repeat_interleave(H // KVH, 0), atol=1e-6)
-    assert meta.cold_mass[0, 0] > 0 and torch.isclose(
-        meta.cold_mass[0, 0] + meta.block_mass[0, 0], torch.tensor(H * 1.0)
+    assert meta.reads.demoted_mass[0, 0] > 0 and torch.isclose(
+        meta.reads.demoted_mass[0, 0] + meta.reads.mass[0, 0], torch.tensor(H * 1.0)
     )

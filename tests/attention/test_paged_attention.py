@@ -205,7 +205,7 @@ def test_attention_mass_per_block_is_the_softmax_each_block_received(backend):
         full.append((q, k, v))
     meta = AttentionMetadata.build([new for _, new in shapes], [n for n, _ in shapes], tables, bs,
                                    want_mass=[True, False, True, True])  # fmt: skip
-    assert meta.block_mass is not None and meta.block_mass.shape == (4, 4)
+    assert meta.reads.mass is not None and meta.reads.mass.shape == (4, 4)
     q_in = torch.cat([q[n - new :] for (n, new), (q, _, _) in zip(shapes, full, strict=True)])
     k_in = torch.cat([k[n - new :] for (n, new), (_, k, _) in zip(shapes, full, strict=True)])
     v_in = torch.cat([v[n - new :] for (n, new), (_, _, v) in zip(shapes, full, strict=True)])
@@ -222,5 +222,5 @@ def test_attention_mass_per_block_is_the_softmax_each_block_received(backend):
         scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
         per_token = scores.softmax(-1)[:, n - new :].sum((0, 1))  # [n]
         expected = torch.nn.functional.pad(per_token, (0, len(tables[i]) * bs - n)).view(-1, bs).sum(-1)
-        torch.testing.assert_close(meta.block_mass[i, : len(tables[i])], expected, atol=1e-5, rtol=1e-5)
-        assert math.isclose(meta.block_mass[i].sum().item(), heads * new, rel_tol=1e-5)
+        torch.testing.assert_close(meta.reads.mass[i, : len(tables[i])], expected, atol=1e-5, rtol=1e-5)
+        assert math.isclose(meta.reads.mass[i].sum().item(), heads * new, rel_tol=1e-5)

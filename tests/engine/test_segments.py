@@ -14,6 +14,7 @@ from kvpage.core.scheduler_output import SeqKey
 from kvpage.core.seq_plan import SegmentFill
 from kvpage.engine.segment_prompts import SegmentedPrompt
 from kvpage.tools.perplexity import english_corpus
+from kvpage.worker.selective import CacheBlend
 from tests.engine.helpers import assert_clean, greedy, make_llm
 
 BS = 16
@@ -81,7 +82,7 @@ def test_reused_segments_copy_their_own_kv_rotated_to_where_they_stand(llm, docs
 def test_selective_recompute_of_every_copied_token_is_the_full_prefill(llm, docs):
     full = [t for d in docs for t in d]
     want = fresh(llm).generate([full], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
-    counts = llm.llm_engine.runner.selective_tokens
+    counts = llm.llm_engine.runner.hook(CacheBlend).tokens
     before = dict(counts)
     fresh(llm)
     prompt = {"segments": docs, "recompute_blocks": 0, "recompute_ratio": 1.0}

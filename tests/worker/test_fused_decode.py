@@ -116,7 +116,7 @@ def test_steps_it_cannot_run_go_layer_by_layer(smollm2):
     # H2O's attention mass is asked for
     ids, pos, kv, meta = _step(lm, [20, 30], 16)
     meta = AttentionMetadata.build([1, 1], [20, 30], meta.block_tables.tolist(), 16, want_mass=[True, False])
-    assert meta.block_mass is not None
+    assert meta.reads.mass is not None
     assert not _both(lm, ids, pos, kv, meta)[2]
     # an fp8 cache (the compiled kernels do not read it)
     assert not _both(lm, *_step(lm, [20], 16, "fp8"))[2]

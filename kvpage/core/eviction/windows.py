@@ -112,7 +112,7 @@ class EvictionWindows:
         if win is None or table.on_cpu:
             return 0
         bs = self.block_size
-        held = [i for i, b in enumerate(table.block_ids) if b is not HOLE] + sorted(table.demoted)
+        held = self.read_order(table)
         if mass is not None:
             if len(win.scores) < len(table.block_ids):
                 win.scores.extend([0.0] * (len(table.block_ids) - len(win.scores)))
@@ -208,9 +208,16 @@ class EvictionWindows:
 
     @staticmethod
     def cold_view(table: BlockTable) -> list[tuple[str, int]]:
-        """The demoted blocks attention reads after the resident ones: (precision, block id), in
+        """The demoted blocks attention reads besides the resident ones: (precision, block id), in
+        the order of `read_order`."""
+        return [table.demoted[i] for i in EvictionWindows.read_order(table) if i in table.demoted]
+
+    @staticmethod
+    def read_order(table: BlockTable) -> list[int]:
+        """The logical entries attention reads and reports H2O's mass for, in the order it does
+        (attention/read_plan.py: reported_mass): the resident ones, then the demoted ones, each in
         logical order."""
-        return [table.demoted[i] for i in sorted(table.demoted)]
+        return [i for i, b in enumerate(table.block_ids) if b is not HOLE] + sorted(table.demoted)
 
     def _num_sinks(self, seq_id: Hashable, table: BlockTable) -> int:
         """Sink blocks this sequence keeps rotated: StreamingLLM's, once it evicted anything."""
