@@ -21,8 +21,9 @@ import time
 
 import torch
 
+from kvpage import compat
 from kvpage.attention.key_bounds import check_budget
-from kvpage.config import EngineConfig, check_ladder
+from kvpage.config import EngineConfig
 from kvpage.core import CacheStats
 from kvpage.core.kv_events import KVEventLog
 from kvpage.core.request import Request, Sequence
@@ -35,7 +36,7 @@ from kvpage.engine.engine_stats import EngineStats, StepTokens
 from kvpage.engine.kv_verifier import KVVerifyReport, verify_kv_cache
 from kvpage.engine.output_processor import OutputProcessor, RequestState
 from kvpage.engine.segment_prompts import SegmentCompiler, SegmentedPrompt, prompt_of
-from kvpage.errors import ParameterError, TensorParallelFailure
+from kvpage.errors import TensorParallelFailure
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams, parse_kv_eviction
 from kvpage.worker.model_runner import ModelRunnerOutput
@@ -100,67 +101,75 @@ class LLMEngine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        token_lists: list[list[int]] = []
-        spans: tuple[tuple[int, int], ...] = ()
+        text, ids, token_lists, spans = self._encode(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        is_beam = isinstance(params, BeamSearchParams)
+        width = params.beam_width if is_beam else params.n
+        self._check_params(params, ids, is_beam, width)
+        own = parse_kv_eviction(params.kv_eviction)  # (parsed in SamplingParams already: a type check)
+        eviction = self.config.kv_eviction if own is None else own
+        recompute = prompt.recompute_blocks if isinstance(prompt, SegmentedPrompt) else 1
+        ratio = prompt.recompute_ratio if isinstance(prompt, SegmentedPrompt) else 0.0
+        budget = self.config.kv_read_budget if params.kv_read_budget is None else params.kv_read_budget
+        pools = bool(self.kv_manager.eviction.cold)
+        compat.check(self.config.setup(eviction=eviction, demote_pools=pools, read_budget=budget or 0,
+                                       segments=bool(spans), recompute_ratio=ratio))  # fmt: skip
+        if budget:
+            check_budget(budget, self.kv_cache.block_size)
+        want_plp = not is_beam and params.prompt_logprobs is not None
+        req = Request(request_id, ids, self._arrivals, cache_salt=cache_salt, use_prefix_cache=not want_plp,
+                      want_prompt_logprobs=want_plp, width=width, eviction=eviction,
+                      independent=not is_beam and width > 1 and not eviction.evicts,
+                      plan=plan_of(spans, recompute, ratio, budget or None))  # fmt: skip
+        self._arrivals += 1
+        st = self._request_state(req, params, text, is_beam, want_plp)
+        waits = self._compile_segments(request_id, token_lists, cache_salt, recompute) if spans else set()
+        if waits:
+            self.segments.hold(req, waits)  # it enters the scheduler once its segments are cached
+        else:
+            self.scheduler.add_request(req)  # one that can never be scheduled is reported by the next step
+        self._states[request_id] = st
+        self.num_prompt_tokens += len(ids)
+        self.snapshot = self._stats()
+
+    def _encode(self, prompt) -> tuple[str | None, list[int], list[list[int]], tuple[tuple[int, int], ...]]:
+        """(text, token ids, the segments' token lists, the segments' spans) of a prompt."""
         if isinstance(prompt, SegmentedPrompt):
             token_lists = prompt.encode(self.tokenizer)
             ids, spans = prompt_of(token_lists)
             text = "".join(prompt.segments) if all(isinstance(g, str) for g in prompt.segments) else None  # type: ignore[arg-type]
-        elif isinstance(prompt, str):
+            return text, ids, token_lists, spans
+        if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             text, ids = None, list(prompt)
         else:
             raise ValueError("prompt must be a string or a list of token ids")
-        if not ids:
-            raise ValueError("prompt is empty")
+        return text, ids, [], ()
+
+    def _check_params(self, params, ids: list[int], is_beam: bool, width: int) -> None:
+        """What only this engine can check: token ids against its vocabulary, the width against its limits."""
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        is_beam = isinstance(params, BeamSearchParams)
-        width = params.beam_width if is_beam else params.n
         self.check_width("beam_width" if is_beam else "n", width)
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name, None)
             if k is not None and k > vocab:
                 raise ValueError(f"{name} must be at most the vocabulary size {vocab}, got {k}")
-        bad_stops = [t for t in (getattr(params, "stop_token_ids", None) or ()) if t >= vocab]
-        if bad_stops:
-            raise ValueError(f"stop_token_ids: token id {bad_stops[0]} is outside the vocabulary [0, {vocab})")
-        bad_bias = [t for t in (getattr(params, "logit_bias", None) or ()) if t >= vocab]
-        if bad_bias:
-            raise ValueError(f"logit_bias: token id {bad_bias[0]} is outside the vocabulary [0, {vocab})")
-        want_plp = not is_beam and params.prompt_logprobs is not None
-        own = parse_kv_eviction(params.kv_eviction)  # (parsed in SamplingParams already: a type check)
-        eviction = self.config.kv_eviction if own is None else own
-        if self.config.deterministic and eviction.wants_mass:
-            raise ValueError(
-                f"kv_eviction: {eviction.name} does not go with deterministic=True "
-                "(its attention mass takes the torch path)"
-            )
-        below = eviction.quotas(self.kv_manager.block_size)[1:]
-        if any(below) and not self.kv_manager.eviction.cold:
-            raise ValueError(
-                f"kv_eviction: {eviction.describe()} needs an engine started with a demoting kv_eviction "
-                "(its pools per precision are sized at start)"
-            )
-        check_ladder(eviction, self.config.kv_cache_dtype)
-        if spans and eviction.evicts:
-            raise ValueError(f"kv_eviction: {eviction.describe()} does not go with a prompt of segments")
-        read_budget = self._read_budget(params, eviction)
-        recompute = prompt.recompute_blocks if isinstance(prompt, SegmentedPrompt) else 1
-        ratio = prompt.recompute_ratio if isinstance(prompt, SegmentedPrompt) else 0.0
-        if ratio and self.config.tensor_parallel_size > 1:  # each rank would pick other rows by its own heads
-            raise ParameterError("recompute_ratio", "recompute_ratio > 0 does not go with tensor_parallel_size > 1")
-        req = Request(request_id, ids, self._arrivals, cache_salt=cache_salt, use_prefix_cache=not want_plp,
-                      want_prompt_logprobs=want_plp, width=width, eviction=eviction,
-                      independent=not is_beam and width > 1 and not eviction.evicts,
-                      plan=plan_of(spans, recompute, ratio, read_budget))  # fmt: skip
-        self._arrivals += 1
+        for name in ("stop_token_ids", "logit_bias"):
+            outside = [t for t in (getattr(params, name, None) or ()) if t >= vocab]
+            if outside:
+                raise ValueError(f"{name}: token id {outside[0]} is outside the vocabulary [0, {vocab})")
+
+    def _request_state(self, req: Request, params, text: str | None, is_beam: bool, want_plp: bool) -> RequestState:
+        """The output side of a new request: its stops, token limit, seed (and beam search)."""
+        n = len(req.prompt_token_ids)
         eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
         extra_stops = set() if is_beam else set(params.stop_token_ids or ())
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         st = RequestState(
             request=req,
             params=params,
@@ -172,17 +181,10 @@ class LLMEngine:
             arrival_time=time.monotonic(),
         )
         if is_beam:
-            limit = st.max_tokens if req.unbounded else max(1, min(st.max_tokens, self.max_model_len - len(ids)))
+            limit = st.max_tokens if req.unbounded else max(1, min(st.max_tokens, self.max_model_len - n))
             st.beam = BeamSearch(params.beam_width, params.length_penalty, limit, st.stop_token_ids)
         self.outputs.new_seq_state(st, 0)
-        waits = self._compile_segments(request_id, token_lists, cache_salt, recompute) if spans else set()
-        if waits:
-            self.segments.hold(req, waits)  # it enters the scheduler once its segments are cached
-        else:
-            self.scheduler.add_request(req)  # one that can never be scheduled is reported by the next step
-        self._states[request_id] = st
-        self.num_prompt_tokens += len(ids)
-        self.snapshot = self._stats()
+        return st
 
     def _compile_segments(self, request_id: str, token_lists: list[list[int]], cache_salt: str | None,
                           recompute_blocks: int) -> set[str]:  # fmt: skip
@@ -210,22 +212,6 @@ class LLMEngine:
         """The engine's own budget, once the block size is known (a request's is checked as it comes)."""
         if self.config.kv_read_budget:
             check_budget(self.config.kv_read_budget, self.kv_cache.block_size)
-
-    def _read_budget(self, params, eviction) -> int | None:
-        """The request's decode read budget in tokens (its own, else the engine's; None: every block),
-        checked against what this engine keeps (attention/key_bounds.py)."""
-        own = params.kv_read_budget
-        budget = self.config.kv_read_budget if own is None else own
-        if not budget:
-            return None
-        field = "kv_read_budget"
-        if self.config.kv_read_budget is None:
-            raise ParameterError(field, "kv_read_budget: this engine keeps no key bounds; start it with "
-                                 "kv_read_budget (0 keeps them, reading every block unless asked)")  # fmt: skip
-        check_budget(budget, self.kv_cache.block_size)
-        if eviction.evicts:
-            raise ParameterError(field, f"kv_read_budget does not go with kv_eviction {eviction.describe()}")
-        return budget
 
     def check_width(self, name: str, width: int) -> None:
         """ParameterError (naming `name`) unless `width` sequences of one request can run in the same step."""
