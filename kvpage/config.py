@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvpage import compat
 from kvpage.core.eviction import NO_EVICTION, EvictionPolicy, parse_eviction
 from kvpage.core.kv_bytes import KV_CACHE_DTYPES, MODEL_DTYPE_NAMES
 
@@ -38,80 +39,81 @@ def _cli_block_size(text: str) -> int | str:
         raise ValueError(f"a power of two or 'auto', got {text!r}") from None
 
 
-def _opt(default: Any, help: str, **cli: Any) -> Any:
+def option(default: Any, help: str, **cli: Any) -> Any:
     """A field, its help and how the command line takes it (`type`, `choices`, `flag`, `aliases`: more
-    spellings of it, such as vLLM's; `opposite`: a flag setting a bool field to its default): the one
-    source of every engine option's name, default and help (kvpage/cli.py derives its options from these)."""
+    spellings of it, such as vLLM's; `opposite`: a flag setting a bool field to its default; `action`,
+    `metavar`; `app`: a serve option passed to the server's app): the one source of every option's
+    name, default and help (kvpage/cli/options.py derives the command line from these fields)."""
     return field(default=default, metadata={"help": help, **cli})
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str = _opt("smollm2", "model name, .gguf file or model directory (default smollm2)")
-    dtype: str = _opt(
+    model: str = option("smollm2", "model name, .gguf file or model directory (default smollm2)")
+    dtype: str = option(
         "auto",
         "auto, float32, bfloat16 or float16 (default auto: bfloat16 where the CPU computes it natively, else float32)",
     )
-    kv_cache_dtype: str = _opt(
+    kv_cache_dtype: str = option(
         "auto",
         "KV blocks in the model's dtype (auto, the default), or int8 / fp8 with a "
         "float32 scale per token and kv head: ~1.9x the blocks of bfloat16 in the same memory",
         choices=["auto", "int8", "fp8"],
     )
-    weight_dtype: str | None = _opt(
+    weight_dtype: str | None = option(
         None,
         "weight-only quantized linear layers: int8 (Q8_0-style) or int4 "
         "(Q4_1-style), groups of 32 (default: unquantized)",
         choices=["int8", "int4"],
     )
-    block_size: int | str = _opt(
+    block_size: int | str = option(
         16,
         "tokens per KV block (default 16), or 'auto': the advice of `kvpage blocks` for --block-size-lengths",
         type=_cli_block_size,
     )
-    kv_cache_memory: int | str | None = _opt(None, "memory for the KV cache, e.g. 512MiB (default 512MiB)")
-    num_kv_blocks: int | None = _opt(None, "size the KV cache in blocks instead", type=int)
-    enable_prefix_caching: bool = _opt(True, "turn automatic prefix caching off", flag="--no-prefix-caching",
+    kv_cache_memory: int | str | None = option(None, "memory for the KV cache, e.g. 512MiB (default 512MiB)")
+    num_kv_blocks: int | None = option(None, "size the KV cache in blocks instead", type=int)
+    enable_prefix_caching: bool = option(True, "turn automatic prefix caching off", flag="--no-prefix-caching",
                                        aliases=("--no-enable-prefix-caching",),  # vLLM's spellings
                                        opposite="--enable-prefix-caching")  # fmt: skip
-    swap_space: int | str = _opt(0, "CPU memory for swapped-out blocks, e.g. 1GiB (default 0)")
-    cpu_offload_memory: int | str = _opt(
+    swap_space: int | str = option(0, "CPU memory for swapped-out blocks, e.g. 1GiB (default 0)")
+    cpu_offload_memory: int | str = option(
         0,
         "a CPU tier for the prefix cache, e.g. 2GiB: evicted prefix blocks "
         "are kept there and brought back on a hit instead of recomputed "
         "(default 0: none)",
     )
-    remote_kv: str | None = _opt(
+    remote_kv: str | None = option(
         None,
         "a KV tier shared by every replica, below the CPU tier: redis://HOST:PORT. "
         "Blocks are written through once computed and fetched (checked) on a prefix miss; "
         "they land in the CPU tier (256MiB unless --cpu-offload-memory says). Unreachable: skipped",
         metavar="URL",
     )
-    preemption_mode: str | None = _opt(
+    preemption_mode: str | None = option(
         None,
         "how a preempted request gives its blocks back: recompute, or swap "
         "(to --swap-space); default: swap when it fits, else recompute",
         choices=["recompute", "swap"],
     )
-    max_num_seqs: int = _opt(256, "sequences running at once (default 256)", type=int)
-    max_num_batched_tokens: int = _opt(2048, "tokens per step (default 2048)", type=int)
-    max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's)", type=int)
-    seed: int = _opt(0, "engine seed (default 0)", type=int)
-    watermark: float = _opt(
+    max_num_seqs: int = option(256, "sequences running at once (default 256)", type=int)
+    max_num_batched_tokens: int = option(2048, "tokens per step (default 2048)", type=int)
+    max_model_len: int | None = option(None, "longest prompt + output (default: the model's)", type=int)
+    seed: int = option(0, "engine seed (default 0)", type=int)
+    watermark: float = option(
         0.01,
         "share of the KV blocks kept free for running sequences to grow into when a request is admitted (default 0.01)",
         type=float,
     )
-    device: str = _opt("cpu", "where the model and KV cache live: cpu (default) or cuda")
-    gpu_memory_utilization: float = _opt(
+    device: str = option("cpu", "where the model and KV cache live: cpu (default) or cuda")
+    gpu_memory_utilization: float = option(
         0.9,
         "on CUDA without --kv-cache-memory / --num-kv-blocks: the share of "
         "the GPU's memory to use, the KV pool sized into it after a profiling "
         "forward (default 0.9)",
         type=float,
     )
-    attention_backend: str = _opt(
+    attention_backend: str = option(
         "auto",
         "auto (default): kvpage's compiled CPU kernels where they build, the "
         "Triton kernels on CUDA, else the torch reference",
@@ -119,14 +121,14 @@ class EngineConfig:
     )
     # parsed once, in __post_init__: afterwards always an EvictionPolicy (NO_EVICTION when off); also a
     # mapping or a policy object from Python (kvpage/core/eviction/)
-    kv_eviction: EvictionPolicy | Any = _opt(
+    kv_eviction: EvictionPolicy | Any = option(
         None,
         "every request's eviction policy for contexts longer than the "
         "budget: 'streaming[:sink_tokens=4,window_tokens=1020]' (StreamingLLM; "
         "runs past max_model_len) or 'h2o[:heavy_tokens=512,recent_tokens=512]' "
         "(default: none; a request's own overrides)",
     )
-    kv_read_budget: int | None = _opt(
+    kv_read_budget: int | None = option(
         None,
         "tokens each decode may read of the cache past the first layers: the first block, the last "
         "two and the rest chosen by their keys' min/max bounds (Quest; nothing is freed). Keeps the "
@@ -135,7 +137,7 @@ class EngineConfig:
         type=int,
         metavar="TOKENS",
     )
-    block_size_lengths: Any = _opt(
+    block_size_lengths: Any = option(
         None,
         "with --block-size auto: the lengths to hold at once, LENGTH:COUNT,... or "
         "a JSONL file (as `kvpage blocks` reads; from Python also a {length: count} "
@@ -143,12 +145,12 @@ class EngineConfig:
         "is given",
     )
     block_size_advice: Any = field(default=None, init=False)  # the Advice behind an "auto" block size
-    deterministic: bool = _opt(
+    deterministic: bool = option(
         False,
         "bit-identical tokens and logprobs whatever the batch, prefix hits, chunking "
         "or preemption (kvpage/models/batch_invariant.py; slower prefill)",
     )
-    tensor_parallel_size: int = _opt(
+    tensor_parallel_size: int = option(
         1,
         "split the model's heads and MLP over N processes (Megatron-style, torch.distributed: gloo on CPU, "
         "nccl on CUDA); rank 0 schedules, every rank holds 1/N of the KV cache (default 1)",
@@ -156,15 +158,15 @@ class EngineConfig:
         aliases=("-tp",),
         metavar="N",
     )
-    master_addr: str | None = _opt(
+    master_addr: str | None = option(
         None,
         "with --tensor-parallel-size: the address rank 0 listens on for ranks launched by hand on other "
         "machines (`kvpage tp-rank`); default: the ranks are spawned on this machine (torchrun's "
         "MASTER_ADDR/RANK/WORLD_SIZE are read when set)",
         metavar="HOST",
     )
-    master_port: int | None = _opt(None, "with --master-addr: its port", type=int, metavar="PORT")
-    verify_kv_every: int = _opt(
+    master_port: int | None = option(None, "with --master-addr: its port", type=int, metavar="PORT")
+    verify_kv_every: int = option(
         0,
         "check the KV cache every N steps (finite values; with --deterministic a "
         "recompute of cached prefixes, bit for bit); mismatches are logged and counted in "
@@ -200,11 +202,7 @@ class EngineConfig:
         if self.remote_kv is not None:
             if not isinstance(self.remote_kv, str) or not self.remote_kv.startswith(("redis://", "rediss://")):
                 raise ValueError(f"remote_kv must be a redis://HOST:PORT URL, got {self.remote_kv!r}")
-            if not self.enable_prefix_caching:
-                raise ValueError("remote_kv is a tier of the prefix cache: it needs enable_prefix_caching")
             self.cpu_offload_memory = self.cpu_offload_memory or DEFAULT_REMOTE_LANDING
-        if self.cpu_offload_memory and not self.enable_prefix_caching:
-            raise ValueError("cpu_offload_memory is a tier of the prefix cache: it needs enable_prefix_caching")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.weight_dtype not in (None, "int8", "int4"):
@@ -213,8 +211,6 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16; got {self.dtype!r}")
         if self.preemption_mode not in (None, "recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute', 'swap' or None, got {self.preemption_mode!r}")
-        if self.preemption_mode == "swap" and not self.swap_space:
-            raise ValueError("preemption_mode='swap' needs swap_space > 0")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         if not isinstance(self.seed, int):
@@ -225,14 +221,23 @@ class EngineConfig:
         v = self.kv_read_budget
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise ValueError(f"kv_read_budget must be an integer >= 0 (tokens; 0: every block), got {v!r}")
-        if v and self.kv_eviction.evicts:
-            raise ValueError(f"kv_read_budget does not go with kv_eviction {self.kv_eviction.describe()}")
-        check_ladder(self.kv_eviction, self.kv_cache_dtype)
-        if v is not None and self.kv_eviction.ladder:
-            raise ValueError(f"kv_read_budget does not go with kv_eviction {self.kv_eviction.describe()} "
-                             "(a decode reads its demoted blocks in full)")  # fmt: skip
         self._check_deterministic()
         self._check_tensor_parallel()
+        compat.check(self.setup())
+
+    def setup(self, **request) -> compat.Setup:
+        """The facts the compatibility table checks (compat.py), with a request's (its own eviction
+        policy, read budget, segments) over the engine's."""
+        facts = dict(
+            prefix_caching=self.enable_prefix_caching, remote_kv=self.remote_kv is not None,
+            cpu_offload=bool(self.cpu_offload_memory), preemption_mode=self.preemption_mode,
+            swap_space=int(self.swap_space), tensor_parallel=self.tensor_parallel_size, device=self.device,
+            attention_backend=self.attention_backend, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
+            weight_dtype=self.weight_dtype, deterministic=self.deterministic, verify_kv=bool(self.verify_kv_every),
+            eviction=self.kv_eviction, demote_pools=bool(self.kv_eviction.demotes_to()),
+            key_bounds=self.kv_read_budget is not None, read_budget=self.kv_read_budget or 0,
+        )  # fmt: skip
+        return compat.Setup(**{**facts, **request})
 
     def _check_tensor_parallel(self) -> None:
         n = self.tensor_parallel_size
@@ -246,39 +251,13 @@ class EngineConfig:
             if self.master_addr is not None:
                 raise ValueError("master_addr is where a tensor-parallel group meets: needs tensor_parallel_size>1")
             return
-        if self.remote_kv is not None:  # each rank's blocks would need their own keys in the shared tier
-            raise ValueError("tensor_parallel_size > 1 does not go with remote_kv (yet)")
-        if self.deterministic and (n > 2 or self.device != "cpu"):
-            raise ValueError(f"deterministic=True goes with tensor_parallel_size up to 2 on CPU, got {n} on "
-                             f"{self.device}: a ring all-reduce of 3+ ranks sums in an order that depends on the "
-                             "batch's size")  # fmt: skip
         if self.device.startswith("cuda:"):  # each rank takes its own device (LOCAL_RANK)
             raise ValueError(f"tensor_parallel_size > 1 takes device 'cuda' (rank r on GPU r), not {self.device!r}; "
                              "choose the GPUs with CUDA_VISIBLE_DEVICES")  # fmt: skip
-        if self.verify_kv_every and self.deterministic:  # the recompute runs the model on rank 0 alone
-            raise ValueError("tensor_parallel_size > 1 does not go with verify_kv_every under deterministic "
-                             "(the check recomputes prefixes on rank 0 alone)")  # fmt: skip
 
     def _check_deterministic(self) -> None:
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic must be true or false, got {self.deterministic!r}")
-        if not self.deterministic:
-            return
-        clashes = [
-            (self.device.split(":")[0] != "cpu", f"device={self.device!r}: it runs on the CPU kernels"),
-            (self.attention_backend not in ("auto", "cpu"),
-             f"attention_backend={self.attention_backend!r}: it needs the 'cpu' kernels"),
-            (self.kv_cache_dtype == "fp8", "kv_cache_dtype='fp8': fp8 blocks are read by the torch path"),
-            (self.weight_dtype is not None,
-             f"weight_dtype={self.weight_dtype!r}: the quantized kernel sums 1-4 rows and more in two orders"),
-            (self.dtype in ("float16", "fp16", "half"),
-             f"dtype={self.dtype!r}: the kernels compute float32 and bfloat16"),
-            (self.kv_eviction.wants_mass,
-             f"kv_eviction {self.kv_eviction.name}: its attention mass takes the torch path"),
-        ]  # fmt: skip
-        for clash, why in clashes:
-            if clash:
-                raise ValueError(f"deterministic=True does not go with {why}")
 
     def _resolve_block_size(self) -> None:
         if self.block_size != "auto":
@@ -305,13 +284,3 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
-
-
-def check_ladder(policy: EvictionPolicy, kv_cache_dtype: str) -> None:
-    """A demoting policy demotes only to precisions below the cache's own: over an int8 / fp8 cache
-    its int8 rung would save nothing (ValueError naming the field)."""
-    if kv_cache_dtype != "auto" and "int8" in policy.demotes_to():
-        raise ValueError(
-            f"kv_eviction.int8_tokens must be 0 with kv_cache_dtype={kv_cache_dtype!r}: "
-            "blocks are demoted only to precisions below the cache's own"
-        )

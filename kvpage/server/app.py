@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvpage import __version__
 from kvpage.engine.llm_engine import LLMEngine
 from kvpage.server.async_engine import AsyncEngine
-from kvpage.server.auth import APIKeyAuth, route_path
+from kvpage.server.auth import APIKeyAuth, checked_api_keys, route_path
 from kvpage.server.body_limit import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kvpage.server.dashboard import EngineFeed, install_dashboard
 from kvpage.server.errors import install_error_handlers
@@ -67,11 +67,7 @@ def build_app(
     not) and, optionally, its `dashboard` feed (dashboard.py: an object whose `pictures()` gives /dashboard's
     pictures). `api_key`: one key or several (each client uses one); None: no authentication.
     `app.state.async_engine` (on the FastAPI app, `.fastapi` of what is returned) is the engine client."""
-    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
-    if api_key is not None and (not keys or any(not k for k in keys)):
-        raise ValueError("an API key must not be empty (leave it unset to serve without authentication)")
-    if salt_cache_per_key and not keys:
-        raise ValueError("salt_cache_per_key needs API keys: without them every client is the same tenant")
+    keys = checked_api_keys(api_key, salt_cache_per_key)
     if metrics_prefix not in PREFIXES:
         raise ValueError(f"metrics_prefix must be one of {', '.join(PREFIXES)}, got {metrics_prefix!r}")
     if (engine is None) == (client is None):

@@ -10,6 +10,9 @@ A browser cannot send the header, so the dashboard's paths (/dashboard, /dashboa
 the key from the cookie `kvpage_key`; `GET /dashboard?api_key=KEY` with a valid key answers 303 to
 /dashboard (the key gone from the address bar) and sets that cookie, HttpOnly and SameSite=Strict,
 for the dashboard's paths only. Every other path takes the header alone.
+
+`checked_api_keys` is the one check of the keys themselves: build_app's, `kvpage serve`'s (before its
+model loads) and APIKeyAuth's own.
 """
 
 from __future__ import annotations
@@ -36,12 +39,25 @@ def route_path(scope) -> str:
     return path[len(root) :] if root and path.startswith(root) else path
 
 
+def checked_api_keys(api_key: str | list[str] | None, salt_cache_per_key: bool, *, key_option: str = "api_key",
+                     salt_option: str = "salt_cache_per_key") -> list[str]:  # fmt: skip
+    """The keys every request must present (`api_key`: one, several, or None: no authentication; []
+    then), or ValueError for a key that is not a string, an empty key, or a cache salted per key without
+    keys. The errors name the options as the caller's user spells them."""
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if any(not isinstance(k, str) for k in keys):
+        raise ValueError(f"{key_option} must be a string or a list of strings")
+    if api_key is not None and (not keys or any(not k for k in keys)):
+        raise ValueError(f"{key_option} must not be empty (leave it unset to serve without authentication)")
+    if salt_cache_per_key and not keys:
+        raise ValueError(f"{salt_option} needs API keys ({key_option}): without them every client is the same tenant")
+    return keys
+
+
 class APIKeyAuth:
     def __init__(self, app, keys: list[str]) -> None:
-        if not keys or any(not isinstance(k, str) or not k for k in keys):
-            raise ValueError("API keys must be non-empty strings")
         self.app = app
-        self._keys = [(hashlib.sha256(k.encode()).digest(), tenant_of(k)) for k in keys]
+        self._keys = [(hashlib.sha256(k.encode()).digest(), tenant_of(k)) for k in checked_api_keys(keys, False)]
 
     async def __call__(self, scope, receive, send):
         path = route_path(scope)

@@ -9,11 +9,8 @@ engine replaces its `snapshot` whenever a step runs or a request enters or leave
 newer one replaces it, so a slow page skips pictures and never makes the engine wait. The HTTP side
 never reads engine state: it only forwards what the engine thread built. A picture holds the step
 number, `cache_stats()`, the memory map (core/memory_map.py: every block's state, every block table),
-the unfinished requests and the scheduler's counts.
-
-`FleetFeed` is the fleet ingress's: the replicas as the KV index sees them (trust, blocks held, load)
-with each one's KV-cache usage from its latest metrics report, polled from the index actor while
-somebody watches.
+the unfinished requests and the scheduler's counts. A fleet's ingress draws the same page from
+kvpage/fleet/fleet_feed.py (its replicas, polled from the KV index actor: index_actor.py).
 
 The page (static/dashboard.html) is plain SVG and JavaScript, no library and no network. It is behind
 the API key like every other path; a browser, which cannot send the header, opens
@@ -33,8 +30,6 @@ from importlib import resources
 
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, StreamingResponse
-
-from kvpage.server.metrics import samples_of
 
 KEEPALIVE_S = 15.0  # an SSE comment this often keeps proxies from closing a quiet stream
 
@@ -116,41 +111,6 @@ def _put_latest(q: asyncio.Queue, item) -> None:
     if q.full():
         q.get_nowait()
     q.put_nowait(item)
-
-
-class FleetFeed:
-    """The fleet's replicas for /dashboard/events, from the KV index actor (kvpage/fleet/ray_app.py)."""
-
-    def __init__(self, stats: Callable[[], object], interval: float = 0.5) -> None:
-        self.stats, self.interval = stats, interval  # stats(): an awaitable of KVIndexActor.stats()
-
-    async def pictures(self, timeout: float = 1.0) -> AsyncIterator[str | None]:
-        step = 0
-        while True:
-            try:
-                st = await asyncio.wait_for(self.stats(), 5.0)
-                fleet = fleet_view(st)
-            except Exception as e:  # noqa: BLE001 - the index is away: say so, try again
-                fleet = {"error": repr(e), "replicas": []}
-            step += 1
-            yield json.dumps({"step": step, "time": time.time(), "stats": None, "memory": None, "requests": [],
-                              "scheduler": None, "fleet": fleet}, separators=(",", ":"))  # fmt: skip
-            await asyncio.sleep(self.interval)
-
-
-def fleet_view(st: dict) -> dict:
-    """The index's stats as the page shows them: one entry per replica, usage from its metrics text."""
-    usage, used = "kvpage:kv_cache_usage_perc", 'kvpage:kv_cache_blocks{state="used"}'
-    replicas = []
-    for name, v in sorted(st["replicas"].items()):
-        found = samples_of(st.get("metrics", {}).get(name, ""), usage, used)
-        replicas.append({"replica": name, "trusted": v["trusted"], "synced": v["synced"], "indexed_blocks": v["blocks"],
-                         "heard_ago": v["heard_ago"], "load": v["load"], "usage": found.get(usage),
-                         "used_blocks": found.get(used)})  # fmt: skip
-    for name in st.get("events_off", ()):
-        replicas.append({"replica": name, "trusted": False, "events_off": True})
-    keys = ("routed", "fallbacks", "gaps", "resyncs", "remote_blocks", "lag_p50", "lag_p99")
-    return {"replicas": replicas, **{k: st.get(k) for k in keys}}
 
 
 def install_dashboard(app: FastAPI, feed, closing: Callable[[], bool]) -> None:

@@ -3,7 +3,7 @@
 The endpoints (serving*.py) read the engine's description (`client.engine`: tokenizer, config,
 model_config, max_model_len, check_width) and run requests through `client.generate`. Two clients
 provide it: `AsyncEngine` (an LLMEngine in this process; its `engine` is the LLMEngine itself) and
-the fleet's client (kvpage/fleet/ray_app.py: replicas on Ray Serve; its `engine` is an
+the fleet's client (kvpage/fleet/ingress.py: replicas on Ray Serve; its `engine` is an
 `EngineDescription` a replica sent, so the ingress tokenizes, templates and checks exactly as the
 replicas would, without loading a model).
 """

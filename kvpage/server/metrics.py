@@ -30,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from kvpage.engine.engine_stats import ITERATION_TOKEN_BUCKETS
 from kvpage.engine.llm_engine import LLMEngine
+from kvpage.fleet.metric_families import Families, families_of
 from kvpage.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -44,21 +45,6 @@ def renamed(text: bytes, prefix: str) -> bytes:
     """Prometheus text with every kvpage:* metric named prefix:* instead (--metrics-prefix vllm: a vLLM
     dashboard or autoscaler reads kvpage unchanged)."""
     return text if prefix == "kvpage" else _NAME.sub(rb"\1" + prefix.encode() + b":", text)
-
-
-def samples_of(text: str, *names: str) -> dict[str, float]:
-    """From a Prometheus text, the value of each named sample (`name` or `name{label="v"}`, labels sorted,
-    model_name left out); a name absent is left out."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    wanted, out = set(names), {}
-    for fam in text_string_to_metric_families(text or ""):
-        for s in fam.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name")
-            key = f"{s.name}{{{labels}}}" if labels else s.name
-            if key in wanted:
-                out[key] = s.value
-    return out
 
 
 class _EngineCollector:
@@ -210,6 +196,10 @@ class Metrics:
     def render(self) -> bytes:
         """The Prometheus text of every metric."""
         return generate_latest(self.registry)
+
+    def families(self) -> Families:
+        """Every metric as plain data (fleet/metric_families.py), as a fleet replica reports them."""
+        return families_of(self.registry)
 
     def load_report(self) -> dict:
         """What an ORCA load report names (app.py's endpoint-load-metrics header), from the latest snapshot."""

@@ -1,5 +1,6 @@
 """kvpage.core is pure Python: every module in it (found by pkgutil, so new files are covered too)
-imports, and the manager runs, with torch made unimportable."""
+imports, and the manager runs, with torch made unimportable. So do the torch-free modules named below,
+with Ray unimportable too (the fleet's index, policies and metric families run without it)."""
 
 import subprocess
 import sys
@@ -8,13 +9,14 @@ BLOCK_TORCH = """
 import importlib, pkgutil, sys, traceback
 class _NoTorch:
     def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch is not allowed in kvpage.core")
+        if name.partition(".")[0] in ("torch", "ray"):
+            raise ImportError(f"{name} is not allowed here")
 sys.meta_path.insert(0, _NoTorch())
 import kvpage.core
 names = sorted(m.name for m in pkgutil.walk_packages(kvpage.core.__path__, "kvpage.core."))
 names += ["kvpage.core_demo", "kvpage.tools.scheduler_sim", "kvpage.fleet.index", "kvpage.fleet.routing",
-          "kvpage.tools.fleet_sim", "kvpage.kvstore", "kvpage.kvstore.redis_store"]
+          "kvpage.fleet.metric_families", "kvpage.fleet.fleet_feed", "kvpage.tools.fleet_sim", "kvpage.kvstore",
+          "kvpage.kvstore.redis_store"]
 for name in names:
     try:
         importlib.import_module(name)
