@@ -1,5 +1,5 @@
 """Which replica takes a request: policies as objects, each `rank(request, candidates, now)` -> the
-candidates best first. Torch-free and Ray-free; the Ray Serve request router (ray_app.py) and the
+candidates best first. Torch-free and Ray-free; the Ray Serve request router (ray_routing.py) and the
 fleet simulation (tools/fleet_sim.py) call the same objects.
 
     RoundRobin      the load balancer in front of most fleets: blind to the cache

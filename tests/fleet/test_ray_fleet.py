@@ -18,7 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray")
 
-from kvpage.fleet.ray_app import ROUTERS, Fleet, FleetSpec, KVIndexActor, KVReplica, index_actor, router_config  # noqa: E402
+from kvpage.fleet.index_actor import KVIndexActor, index_actor  # noqa: E402
+from kvpage.fleet.ray_app import Fleet, FleetSpec  # noqa: E402
+from kvpage.fleet.ray_routing import ROUTERS, router_config  # noqa: E402
+from kvpage.fleet.replica import KVReplica  # noqa: E402
 
 ENGINE = dict(dtype="float32", num_kv_blocks=256, max_model_len=1024)  # as the one-server fixture
 
