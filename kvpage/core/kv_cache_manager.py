@@ -143,6 +143,12 @@ class KVCacheManager:
             raise IndexError(f"{num_tokens} cached tokens but only {len(token_ids)} token ids were given")
         self.prefix.register(table, token_ids, num_tokens)
 
+    def fetch_remote(self) -> int:
+        """Between steps (never inside a schedule): read what admissions asked of the shared tier
+        since the last call, landed in the CPU tier for the next lookups (remote_fetch.py). Returns
+        the blocks landed."""
+        return self.prefix.fetch_remote()
+
     def commit(self) -> None:
         """The scheduled step ran: every block registered for it now holds its KV."""
         self.prefix.commit()

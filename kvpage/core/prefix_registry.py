@@ -7,9 +7,12 @@ list until `commit()`; if the step fails, `discard()` forgets them so no one can
 KV was never written (and no copy of it goes to the CPU tier).
 
 `find` looks a prompt's leading full blocks up in the GPU pool's map, then in the CPU tier
-(cpu_tier.py), then in the shared tier (remote_tier.py), whose blocks land in the CPU tier; `take`
-gives a new block table its hits: references to the GPU ones, restored copies of the tier ones. With
-prefix caching off every lookup misses and nothing is registered.
+(cpu_tier.py); what both miss it asks of the shared tier (remote_tier.py) through `RemoteFetches`
+(remote_fetch.py), read between steps (`fetch_remote`) and landed in the CPU tier: the request waits
+a step (`CachedPrefix.awaiting_fetch`), the scheduler never waits on the network. `take` gives a new
+block table its hits: references to the GPU ones, restored copies of the tier ones. With prefix
+caching off every lookup misses and nothing is registered. What the step being scheduled registered,
+writes through and pins is its `CommitLedger` (commit_ledger.py) until `commit` or `discard`.
 
 Past the last full block hit, the prompt's next tokens may match only the leading slots of a
 registered block (a shared system prompt ends inside a block; each question differs): `find` then
@@ -37,10 +40,12 @@ from kvpage.core.block import Block
 from kvpage.core.block_pool import BlockPool
 from kvpage.core.block_table import BlockTable
 from kvpage.core.cache_key import CacheKey, block_digests, extra_keys_for, hash_block
+from kvpage.core.commit_ledger import CommitLedger
 from kvpage.core.cpu_tier import CpuTier
 from kvpage.core.invariants import check
 from kvpage.core.kv_events import GPU, KVEventLog
 from kvpage.core.prefix_cache import PrefixCache
+from kvpage.core.remote_fetch import RemoteFetches
 from kvpage.core.remote_tier import RemoteTier
 
 
@@ -65,6 +70,7 @@ class CachedPrefix:
     cache_salt: str | None = None
     tier_block_ids: dict[int, int] = field(default_factory=dict)  # index -> tier block
     partial: PartialHit | None = None
+    awaiting_fetch: bool = False  # the rest was asked of the shared tier: worth waiting a step for
 
 
 @dataclass(slots=True)
@@ -88,10 +94,10 @@ class PrefixRegistry:
         self.tier = (
             CpuTier(num_tier_blocks, block_size, self.events) if self.cache is not None and num_tier_blocks else None
         )
-        self.remote = remote if self.tier is not None else None  # its blocks land in the CPU tier
-        self._uncommitted: list[Block] = []  # registered by the step being run
-        self._written: list[CacheKey] = []  # sent to the shared tier by the step being run
-        self._pinned: list[Block] = []  # sources of the step's partial-hit copies, referenced until it ends
+        # the shared tier's blocks land in the CPU tier: no CPU tier, no shared tier
+        self.fetches = RemoteFetches(remote, self.tier) if remote is not None and self.tier is not None else None
+        self.remote = self.fetches.remote if self.fetches is not None else None
+        self.ledger = CommitLedger()  # what the step being scheduled registered, writes through, pins
         pool.on_evict = self._on_evict
 
     @property
@@ -109,10 +115,10 @@ class PrefixRegistry:
         offload, fetched, restore = self.tier.take_transfers()
         write_through = []
         if self.remote is not None and self.remote.available:
-            for block in self._uncommitted:
+            for block in self.ledger.uncommitted:
                 key = block.cache_key
                 if key is not None and not self.remote.knows(key.digest):
-                    self._written.append(key)
+                    self.ledger.written.append(key)
                     write_through.append((block.block_id, key.digest, key.token_ids))
         return TierTransfers(offload, fetched, restore, write_through)
 
@@ -120,7 +126,8 @@ class PrefixRegistry:
     def find(self, token_ids: Sequence[int], cache_salt: str | None = None, *, remote: bool = True) -> CachedPrefix:
         """Leading full blocks of `token_ids` already in the cache. The last token is never served
         from cache (its logits must be computed), so at most (len - 1) // block_size blocks hit.
-        `remote`: also ask the shared tier (a network call) for what the local tiers miss."""
+        `remote`: ask the shared tier for what the local tiers miss, fetched before the next step
+        (`awaiting_fetch` says whether to wait for it; no network call here)."""
         prefix = CachedPrefix([], [], 0, len(token_ids), cache_salt)
         if self.cache is None:
             return prefix
@@ -133,10 +140,11 @@ class PrefixRegistry:
             if block is None:
                 tier_block = self.tier.lookup(digest, chunk) if self.tier is not None else None
                 if tier_block is None:
-                    if remote and self.remote is not None and self.remote.available:  # (down: no hashing)
+                    if remote and self.fetches is not None and self.fetches.remote.available:
                         rest = [(digest, chunk)] + [(d, tuple(servable[j * bs : (j + 1) * bs]))
                                                     for j, d in enumerate(digests, i + 1)]  # fmt: skip
-                        self._fetch(prefix, rest)
+                        parent = prefix.block_hashes[-1] if prefix.block_hashes else None
+                        prefix.awaiting_fetch = self.fetches.ask(i, parent, rest, cache_salt)
                     break
                 prefix.tier_block_ids[i] = tier_block
             prefix.block_ids.append(block.block_id if block is not None else None)
@@ -152,10 +160,10 @@ class PrefixRegistry:
         if self.cache is None:
             return []
         bs, out = self.block_size, []
-        unwritten = {id(b) for b in self._uncommitted}
+        unwritten = self.ledger.unwritten_ids()
         for i, digest in enumerate(block_digests(token_ids, bs, cache_salt)):
             block = self.cache.lookup(digest, tuple(token_ids[i * bs : (i + 1) * bs]))
-            if block is None or id(block) in unwritten:
+            if block is None or block.block_id in unwritten:
                 break
             out.append(block.block_id)
         return out
@@ -165,7 +173,12 @@ class PrefixRegistry:
         for b in block_ids:
             block = self.pool.blocks[b]
             self.pool.incref(block)
-            self._pinned.append(block)
+            self.ledger.pinned.append(block)
+
+    def fetch_remote(self) -> int:
+        """Between steps: read what lookups asked of the shared tier, landed in the CPU tier (the
+        blocks landed)."""
+        return self.fetches.fetch() if self.fetches is not None else 0
 
     def _find_partial(self, prefix: CachedPrefix, token_ids: Sequence[int]) -> None:
         """The leading tokens of the block after the full hits, if a registered GPU block holds them
@@ -177,28 +190,12 @@ class PrefixRegistry:
         if end <= i * bs:
             return
         parent = prefix.block_hashes[-1] if prefix.block_hashes else None
-        unwritten = {b.block_id for b in self._uncommitted}  # their KV is written by the step being scheduled
+        unwritten = self.ledger.unwritten_ids()  # their KV is written by the step being scheduled
         found = self.cache.partial(parent, tuple(token_ids[i * bs : end]), extra_keys_for(i, prefix.cache_salt),  # type: ignore[union-attr]
                                    unwritten)  # fmt: skip
         if found is not None and (i or 2 * found[1] >= bs):
             block, n = found
             prefix.partial = PartialHit(block.block_id, block.cache_key.digest, n)  # type: ignore[union-attr]
-
-    def _fetch(self, prefix: CachedPrefix, blocks: list[tuple[bytes, tuple[int, ...]]]) -> None:
-        """The shared tier's leading `blocks`, landed in the CPU tier and added to `prefix` as tier hits."""
-        landed = 0
-        for (digest, chunk), payload in zip(blocks, self.remote.fetch(blocks)):  # type: ignore[union-attr]
-            i = len(prefix.block_ids)
-            parent = prefix.block_hashes[-1] if prefix.block_hashes else None
-            key = CacheKey(digest, parent, chunk, extra_keys_for(i, prefix.cache_salt))
-            tier_block = self.tier.land(key, payload)  # type: ignore[union-attr]
-            if tier_block is None:
-                break
-            prefix.tier_block_ids[i] = tier_block
-            prefix.block_ids.append(None)
-            prefix.block_hashes.append(digest)
-            landed += 1
-        self.remote.note_hits(landed)  # type: ignore[union-attr]
 
     def hit_blocks(self, prefix: CachedPrefix | None) -> list[Block]:
         """The GPU blocks a prefix hits (its tier hits are checked, not returned)."""
@@ -254,7 +251,7 @@ class PrefixRegistry:
         n, copies = len(block_ids), []
         if source is not None:
             self.pool.incref(source)  # pinned first: the allocation below must not hand it out
-            self._pinned.append(source)
+            self.ledger.pinned.append(source)
             (copy,) = self.pool.allocate(1)  # type: ignore[misc]
             self.pool.add_tokens(copy, prefix.partial.num_tokens)  # type: ignore[union-attr]
             block_ids.append(copy.block_id)
@@ -269,17 +266,21 @@ class PrefixRegistry:
         """Release pins of `pin` before the step ends (one pin per id given)."""
         for b in block_ids:
             block = self.pool.blocks[b]
-            self._pinned.remove(block)
+            self.ledger.pinned.remove(block)
             self.pool.decref(block)
 
     def pinned_blocks(self) -> list[int]:
         """Blocks referenced by the step being scheduled as the sources of its copies."""
-        return [b.block_id for b in self._pinned]
+        return [b.block_id for b in self.ledger.pinned]
 
-    def _unpin(self) -> None:
-        for block in self._pinned:
+    def _end_step(self) -> None:
+        """Release the step's pins (its copies' sources, the tier blocks it read)."""
+        for block in self.ledger.end():
             self.pool.decref(block)
-        self._pinned.clear()
+        if self.tier is not None:
+            self.tier.unpin()
+        if self.fetches is not None:
+            self.fetches.end_step()
 
     # ------------------------------------------------------------------ registration
     def register(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int) -> None:
@@ -321,39 +322,31 @@ class PrefixRegistry:
 
     def _register(self, block: Block, key: CacheKey) -> None:
         if self.cache.register(block, key):  # type: ignore[union-attr]
-            self._uncommitted.append(block)
+            self.ledger.uncommitted.append(block)
 
     def commit(self) -> None:
         """The scheduled step ran: every block registered for it now holds its KV (announced stored)."""
-        for block in self._uncommitted:
+        for block in self.ledger.uncommitted:
             if block.cache_key is not None:
                 self.events.stored(block.cache_key, GPU)
-        for key in self._written:
+        for key in self.ledger.written:
             self.events.stored_remote(key)
-        self._uncommitted.clear()
-        self._written.clear()
-        self._unpin()
-        if self.tier is not None:
-            self.tier.unpin()
+        self._end_step()
         self.events.publish()
 
     def discard(self, tables: Iterable[BlockTable]) -> None:
         """The scheduled step failed: forget the blocks registered for it (their KV was never
         written); registration of each table starts again where its valid blocks end."""
-        for block in self._uncommitted:
+        for block in self.ledger.uncommitted:
             if block.cache_key is not None:
                 self.pool.uncache(block)
-        self._written.clear()
-        self._unpin()
-        if self.tier is not None:
-            self.tier.unpin()
+        self._end_step()
         for table in tables:
             while table.num_registered and not table.on_cpu:
                 b = table.block_ids[table.num_registered - 1]
                 if b is None or self.pool.blocks[b].cache_key is not None:
                     break
                 table.num_registered -= 1
-        self._uncommitted.clear()
         self.events.publish()  # (evictions the failed step made are real)
 
     def _on_evict(self, block: Block) -> None:
@@ -362,7 +355,7 @@ class PrefixRegistry:
         if self.is_tail(block):
             return
         self.events.removed(block.cache_key, GPU)  # type: ignore[arg-type]
-        if self.tier is not None and block not in self._uncommitted:
+        if self.tier is not None and not self.ledger.is_unwritten(block):
             self.tier.offload(block)
 
     def reset(self) -> bool:
@@ -382,17 +375,17 @@ class PrefixRegistry:
                 check(key is not None and key.digest == digest, lambda: f"block {block.block_id}: hash map entry")
                 check(key.is_consistent() and 0 < len(key.token_ids) <= bs,  # type: ignore[union-attr]
                       f"block {block.block_id}: stored tokens do not hash to its key")  # fmt: skip
-                pins = sum(p is block for p in self._pinned)  # (a partial hit's source, until the step ends)
+                pins = sum(p is block for p in self.ledger.pinned)  # (a partial hit's source, until the step ends)
                 check(len(key.token_ids) == bs or block.ref_count == pins,  # type: ignore[union-attr]
                       f"block {block.block_id}: a tail block is in a table")  # fmt: skip
             registered = sum(b.cache_key is not None for b in self.pool.blocks)
             check(registered == len(self.cache), "a block carries a key the map does not hold")
         if self.tier is not None:
             self.tier.check_invariants()
-        uncommitted = {id(b) for b in self._uncommitted}
+        uncommitted = {id(b) for b in self.ledger.uncommitted}
         gpu = ({d for d, b in self.cache.items() if id(b) not in uncommitted and not self.is_tail(b)}
                if self.cache is not None else set())  # fmt: skip
         cpu = {d for d, _ in self.tier.pool.prefix_cache.items()} if self.tier is not None else set()  # type: ignore[union-attr]
         self.events.check_invariants(gpu, cpu)
-        check(all(b.cache_key is not None and b.ref_count > 0 for b in self._uncommitted),
+        check(all(b.cache_key is not None and b.ref_count > 0 for b in self.ledger.uncommitted),
               "an uncommitted registration was evicted or freed before its step ended")  # fmt: skip

@@ -5,7 +5,8 @@ their tokens. Part of `Scheduler` (a base class: the state is the scheduler's ow
     then parked samples, oldest request first (`_resume_parked`): swapped back in, or admitted
         again (their prompt blocks are hits while a sibling holds them);
     then waiting requests, first come first served (`_admit`), if nothing is swapped out or parked,
-        while the budget, `max_num_seqs` and the block watermark allow.
+        while the budget, `max_num_seqs` and the block watermark allow (the head of the queue waits
+        a step while the shared tier's blocks it asked for are fetched: remote_fetch.py).
 
 Each brought-back request runs in the same step when its next tokens need no block beyond what is free.
 """
@@ -123,6 +124,8 @@ class Intake:
                 adm = self.kv.check_admission(
                     tokens, req.cache_salt, use_prefix_cache=req.use_prefix_cache, keep_watermark=bool(self.running)
                 )
+            if adm.prefix is not None and adm.prefix.awaiting_fetch:
+                return  # its blocks are fetched from the shared tier before the next step: it waits one
             if adm.status is AdmissionStatus.NEVER:
                 self._fail(req, f"request {req.request_id!r} can never fit: {adm.reason}", rejected=True)
                 continue

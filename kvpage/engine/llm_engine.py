@@ -291,6 +291,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self.kv_manager.fetch_remote()  # what the last schedule asked of the shared tier, before this one
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         self._note_scheduled(sched)

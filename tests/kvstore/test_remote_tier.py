@@ -25,8 +25,19 @@ def manager(url: str, namespace: str, num_tier_blocks: int = 4) -> Seqs:
     return Seqs(KVCacheManager(8, BS, watermark=0.0, num_tier_blocks=num_tier_blocks, remote=remote))
 
 
-def admit(s: Seqs, seq_id: str, prompt: list[int]):
+def check(s: Seqs, prompt: list[int]):
+    """Admission as the engine makes it: a lookup that asks the shared tier waits while the blocks are
+    fetched between steps (no network call in the lookup itself), then looks again."""
     adm = s.mgr.check_admission([prompt])
+    if adm.prefix.awaiting_fetch:
+        s.mgr.fetch_remote()
+        adm = s.mgr.check_admission([prompt])
+        assert not adm.prefix.awaiting_fetch  # asked once: the request never waits twice
+    return adm
+
+
+def admit(s: Seqs, seq_id: str, prompt: list[int]):
+    adm = check(s, prompt)
     s.admit([seq_id], [prompt], adm)
     return adm
 
@@ -90,7 +101,7 @@ def test_blocks_written_by_one_manager_are_hits_on_another(redis_server):
     b.check()
 
     c = manager(redis_server.url, f"{ns}-other-model")  # another namespace: nothing of theirs is found
-    assert c.mgr.check_admission([PROMPT]).prefix.num_tokens == 0
+    assert check(c, PROMPT).prefix.num_tokens == 0
 
 
 def test_a_damaged_or_foreign_record_is_refused_and_the_rest_computed(redis_server):
@@ -119,7 +130,7 @@ def test_a_damaged_or_foreign_record_is_refused_and_the_rest_computed(redis_serv
     server = redis.Redis.from_url(redis_server.url)
     server.set(key(DIGESTS[0]), foreign)  # under block 0's key, another model's record: refused too
     c = manager(redis_server.url, ns)
-    assert c.mgr.check_admission([PROMPT]).prefix.num_tokens == 0
+    assert check(c, PROMPT).prefix.num_tokens == 0
     assert c.mgr.prefix.remote.stats.refused_blocks == 1
     server.close()
 
@@ -129,7 +140,9 @@ def test_a_server_that_is_down_is_skipped_at_once_and_retried_later():
     remote = RemoteTier(RedisStore(f"redis://127.0.0.1:{free_port()}"), "ns", retry_after=5.0,
                         clock=lambda: clock[0])  # fmt: skip
     s = Seqs(KVCacheManager(8, BS, watermark=0.0, num_tier_blocks=4, remote=remote))
-    assert s.mgr.check_admission([PROMPT]).prefix.num_tokens == 0
+    asked = s.mgr.check_admission([PROMPT]).prefix
+    assert asked.num_tokens == 0 and asked.awaiting_fetch and remote.stats.errors == 0  # no call in the lookup
+    assert s.mgr.fetch_remote() == 0  # the call, between steps
     assert remote.stats.errors == 1 and not remote.stats.up and not remote.available
     admit(s, "a", PROMPT)  # asked again: not called while it is down
     assert remote.stats.errors == 1
@@ -139,6 +152,6 @@ def test_a_server_that_is_down_is_skipped_at_once_and_retried_later():
     s.check()
     clock[0] = 6.0  # past retry_after: asked again (still down)
     s2 = Seqs(KVCacheManager(8, BS, watermark=0.0, num_tier_blocks=4, remote=remote))
-    s2.mgr.check_admission([PROMPT])
+    check(s2, PROMPT)
     assert remote.stats.errors == 2
     remote.close()
