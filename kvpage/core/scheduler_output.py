@@ -11,8 +11,8 @@ SchedulerOutput
   swap_out:  (gpu, cpu) block copies, before the step; swap_in: (cpu, gpu) block copies
   rotations: (src, dst, positions): dst = src with its keys rotated by `positions` (StreamingLLM's
              sink blocks seen at cache positions), after every copy above
-  slot_copies: (src slot, dst slot, length, shift): a prompt's segments copied from their own cached
-             KV (segments.py), keys rotated by `shift` positions, after the rotations
+  slot_copies: (src slot, dst slot, length, shift): runs of slots copied from other cached KV
+             (a prompt given in parts: seq_plan.py SegmentFill), keys rotated by `shift`, after the rotations
   write_through: (gpu, digest, token ids) blocks whose KV the step writes, sent to the shared tier
              after the forward
   failed:    requests the scheduler failed while planning (they never fit): (request_id, reason)
@@ -43,13 +43,13 @@ class ScheduledSequence:
     # window are missing from it (whole blocks); positions stay those of the sequence.
     num_evicted: int = 0
     want_mass: bool = False  # H2O: return the attention mass each block of the table received
-    # CacheBlend: these tokens' slots hold reused KV (a prompt's segments). The layers up to the check
-    # layer recompute all of them; the later layers only this share, the tokens whose K/V deviated
-    # most from the reused (worker/selective.py). None: an ordinary run, computed in full.
+    # These tokens' slots hold copied KV: the layers up to a check layer recompute all of them, the
+    # later layers only this share, the tokens whose K/V deviated most from the copy (CacheBlend:
+    # worker/selective.py). None: an ordinary run, computed in full.
     select_ratio: float | None = None
-    # A read budget (attention/key_bounds.py): a decode of this sequence reads at most this many
-    # tokens' blocks in the layers that keep key bounds, chosen by them. None: every block.
-    read_budget: int | None = None
+    # A decode of this sequence reads at most this many tokens' blocks in the layers that keep key
+    # bounds, chosen by them (attention/key_bounds.py). None: every block.
+    max_read_tokens: int | None = None
     # Demoted blocks (core/eviction/): attention also reads these, after the table's, (precision,
     # block id in that precision's pool); H2O's mass comes back for them after the table's entries.
     cold_blocks: list[tuple[str, int]] = field(default_factory=list)

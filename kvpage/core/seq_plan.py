@@ -132,7 +132,7 @@ class ReadBudget(Feature):
         # generated tokens only: a prompt's last token computed alone (after a prefix hit) reads in
         # full, as it would inside its prompt's chunk
         if entry.num_computed >= seq.num_prompt_tokens:
-            entry.read_budget = self.tokens
+            entry.max_read_tokens = self.tokens
 
 
 @dataclass(slots=True)

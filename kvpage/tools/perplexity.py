@@ -140,7 +140,7 @@ def decode_nlls(
             run([ScheduledSequence(SeqKey("prefix", c), token_ids[c:end], c, table, return_logits=False)])
         for b in range(start, n - 1, batch):
             positions = range(b, min(n - 1, b + batch))
-            entries = [ScheduledSequence(SeqKey("decode", p), [token_ids[p]], p, table, read_budget=read_budget)
+            entries = [ScheduledSequence(SeqKey("decode", p), [token_ids[p]], p, table, max_read_tokens=read_budget)
                        for p in positions]  # fmt: skip
             logprobs = torch.log_softmax(run(entries), dim=-1)
             targets = torch.tensor([token_ids[p + 1] for p in positions], device=device)

@@ -42,7 +42,7 @@ def build_inputs(scheduled: list[ScheduledSequence], block_size: int, device: to
             logits_seq_ids.append(s.seq_id)
     meta = AttentionMetadata.build(
         [len(s.token_ids) for s in seqs], [s.kv_len for s in seqs], [s.block_table for s in seqs], block_size, device,
-        want_mass=[s.want_mass for s in seqs], read_budgets=[s.read_budget for s in seqs],
+        want_mass=[s.want_mass for s in seqs], read_budgets=[s.max_read_tokens for s in seqs],
         demoted=[s.cold_blocks for s in seqs],
     )  # fmt: skip
     return ModelInputs(

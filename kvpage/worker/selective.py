@@ -108,7 +108,7 @@ class SelectiveRecompute:
             [len(run) for run, _ in entries], [kv_len(run, i) for run, i in entries],
             [self.seqs[i].block_table for _, i in entries], self.meta.block_size, device,
             want_mass=[self.seqs[i].want_mass for _, i in entries],
-            read_budgets=[self.seqs[i].read_budget for _, i in entries],
+            read_budgets=[self.seqs[i].max_read_tokens for _, i in entries],
             demoted=[self.seqs[i].cold_blocks for _, i in entries],
         )  # fmt: skip
         self.rows = torch.tensor([r for run, _ in entries for r in run], dtype=torch.int64, device=device)
