@@ -91,11 +91,11 @@ class PrefixRegistry:
         self.cache: PrefixCache | None = pool.prefix_cache  # None: prefix caching is off
         self.block_size = block_size
         self.events = KVEventLog(block_size)  # what this cache holds, announced as it changes (kv_events.py)
-        self.tier = (
-            CpuTier(num_tier_blocks, block_size, self.events) if self.cache is not None and num_tier_blocks else None
-        )
-        # the shared tier's blocks land in the CPU tier: no CPU tier, no shared tier
-        self.fetches = RemoteFetches(remote, self.tier) if remote is not None and self.tier is not None else None
+        # the tiers below the GPU pool: the CPU tier (one of no blocks when absent: every lookup misses,
+        # nothing is kept), then the shared tier, whose blocks land in the CPU tier (none without one)
+        self.tier = CpuTier(num_tier_blocks if self.cache is not None else 0, block_size, self.events)
+        has_tier = self.tier.pool.num_total > 0
+        self.fetches = RemoteFetches(remote, self.tier) if remote is not None and has_tier else None
         self.remote = self.fetches.remote if self.fetches is not None else None
         self.ledger = CommitLedger()  # what the step being scheduled registered, writes through, pins
         pool.on_evict = self._on_evict
@@ -106,12 +106,10 @@ class PrefixRegistry:
 
     @property
     def tier_pool(self) -> BlockPool | None:
-        return self.tier.pool if self.tier is not None else None
+        return self.tier.pool if self.tier.pool.num_total else None
 
     def take_transfers(self) -> TierTransfers:
         """The step's tier transfers (call once the step is scheduled)."""
-        if self.tier is None:
-            return TierTransfers()
         offload, fetched, restore = self.tier.take_transfers()
         write_through = []
         if self.remote is not None and self.remote.available:
@@ -138,7 +136,7 @@ class PrefixRegistry:
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             block = self.cache.lookup(digest, chunk)
             if block is None:
-                tier_block = self.tier.lookup(digest, chunk) if self.tier is not None else None
+                tier_block = self.tier.lookup(digest, chunk)
                 if tier_block is None:
                     if remote and self.fetches is not None and self.fetches.remote.available:
                         rest = [(digest, chunk)] + [(d, tuple(servable[j * bs : (j + 1) * bs]))
@@ -204,7 +202,7 @@ class PrefixRegistry:
         blocks = []
         for i, (b, digest) in enumerate(zip(prefix.block_ids, prefix.block_hashes, strict=True)):
             if i in prefix.tier_block_ids:
-                fresh = self.tier is not None and self.tier.holds(prefix.tier_block_ids[i], digest)
+                fresh = self.tier.holds(prefix.tier_block_ids[i], digest)
             else:
                 block = self.pool.blocks[b]  # type: ignore[index]
                 fresh = block.cache_key is not None and block.cache_key.digest == digest
@@ -245,7 +243,7 @@ class PrefixRegistry:
             self.pool.incref(block)
         block_ids = list(prefix.block_ids)
         if prefix.tier_block_ids:
-            restored = self.tier.restore(prefix.tier_block_ids, self.pool, self._register)  # type: ignore[union-attr]
+            restored = self.tier.restore(prefix.tier_block_ids, self.pool, self._register)
             for i, b in restored.items():
                 block_ids[i] = b
         n, copies = len(block_ids), []
@@ -277,8 +275,7 @@ class PrefixRegistry:
         """Release the step's pins (its copies' sources, the tier blocks it read)."""
         for block in self.ledger.end():
             self.pool.decref(block)
-        if self.tier is not None:
-            self.tier.unpin()
+        self.tier.unpin()
         if self.fetches is not None:
             self.fetches.end_step()
 
@@ -355,12 +352,12 @@ class PrefixRegistry:
         if self.is_tail(block):
             return
         self.events.removed(block.cache_key, GPU)  # type: ignore[arg-type]
-        if self.tier is not None and not self.ledger.is_unwritten(block):
+        if not self.ledger.is_unwritten(block):
             self.tier.offload(block)
 
     def reset(self) -> bool:
         """Forget every registration (GPU pool and tier); only when no block is in use."""
-        if not self.pool.reset_prefix_cache() or (self.tier is not None and not self.tier.reset()):
+        if not self.pool.reset_prefix_cache() or not self.tier.reset():
             return False
         self.events.cleared()
         self.events.publish()
@@ -380,12 +377,11 @@ class PrefixRegistry:
                       f"block {block.block_id}: a tail block is in a table")  # fmt: skip
             registered = sum(b.cache_key is not None for b in self.pool.blocks)
             check(registered == len(self.cache), "a block carries a key the map does not hold")
-        if self.tier is not None:
-            self.tier.check_invariants()
+        self.tier.check_invariants()
         uncommitted = {id(b) for b in self.ledger.uncommitted}
         gpu = ({d for d, b in self.cache.items() if id(b) not in uncommitted and not self.is_tail(b)}
                if self.cache is not None else set())  # fmt: skip
-        cpu = {d for d, _ in self.tier.pool.prefix_cache.items()} if self.tier is not None else set()  # type: ignore[union-attr]
+        cpu = {d for d, _ in self.tier.pool.prefix_cache.items()}  # type: ignore[union-attr]
         self.events.check_invariants(gpu, cpu)
         check(all(b.cache_key is not None and b.ref_count > 0 for b in self.ledger.uncommitted),
               "an uncommitted registration was evicted or freed before its step ended")  # fmt: skip
