@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.facts, args.ppl_windows, args.ppl_context = 6, 2, 4096
     if args.smoke:  # (the suite's check that the script runs: one budget, every arm, short everything)
-        args.context, args.facts, args.decode, budgets, follow, num_texts = 192, 2, 3, [64], 6, 2
-        args.ppl_context, args.ppl_windows, args.ppl_tokens = 192, 1, 16
+        args.context, args.facts, args.decode, budgets, follow, num_texts = 128, 1, 3, [64], 6, 1
+        args.ppl_context, args.ppl_windows, args.ppl_tokens = 128, 1, 16
     longest = max(args.context, args.ppl_context) + 64
     probe = LLM("smollm2", max_model_len=64, num_kv_blocks=8).llm_engine
     cfg, dtype = probe.runner.model.config, parse_dtype(probe.dtype_name)

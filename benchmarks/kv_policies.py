@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.ppl_tokens, args.requests, args.gen = 2048, 8, 32
     if args.smoke:
-        args.policy_tokens, args.ppl_tokens, args.budget = 32, 96, "16MiB"
-        args.requests, args.prompt, args.gen, args.chunk = 3, 48, 4, 32
+        args.policy_tokens, args.ppl_tokens, args.budget = 32, 64, "16MiB"
+        args.requests, args.prompt, args.gen, args.chunk = 2, 48, 4, 32
     corpus = None
     rows = []
     for kv_dtype, policy in rows_for(args.policy_tokens):

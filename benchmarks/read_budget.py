@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.shapes, args.facts, args.ppl_windows, args.ppl_context = "8x4096", 6, 2, 4096
     if args.smoke:  # (the suite's check that the script runs: one budget, every arm, short everything)
-        args.shapes, args.context, args.decode, args.facts, budgets, follow = "2x320", 320, 3, 2, [64], 6
-        args.ppl_context, args.ppl_windows, args.ppl_tokens = 320, 1, 16
+        args.shapes, args.context, args.decode, args.facts, budgets, follow = "2x160", 160, 3, 1, [64], 6
+        args.ppl_context, args.ppl_windows, args.ppl_tokens = 160, 1, 16
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     longest = max([c for _, c in shapes] + [args.context, args.ppl_context])
     most = max([n * (c + args.decode + 16) for n, c in shapes] + [longest + 64])  # tokens held at once

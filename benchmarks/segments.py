@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.requests = 4
     if args.smoke:
-        args.requests, args.docs, args.doc_tokens, copy = 2, 3, 48, 16
+        args.requests, args.docs, args.doc_tokens, copy = 1, 3, 48, 16
     rng = random.Random(0)
     llm = LLM("smollm2", dtype=args.dtype, max_model_len=4096, kv_cache_memory="1GiB")
     eng, tok = llm.llm_engine, llm.get_tokenizer()

@@ -27,7 +27,7 @@ def demoting():
 def test_long_prompts_demote_their_cold_blocks_and_metrics_show_the_pools(demoting):
     client = openai.OpenAI(base_url=demoting.base_url, api_key="unused", max_retries=0)
     text = english_corpus()
-    prompts = [demoting.engine.tokenizer.encode(text[i * 3000 : i * 3000 + 4000])[:600] for i in range(4)]
+    prompts = [demoting.engine.tokenizer.encode(text[i * 3000 : i * 3000 + 4000])[:400] for i in range(4)]
     wait_idle(demoting)
     before = scrape(demoting)
 
@@ -51,7 +51,7 @@ def test_long_prompts_demote_their_cold_blocks_and_metrics_show_the_pools(demoti
     after = scrape(demoting)
     moved = {p: after[f'kvpage:kv_demotions_total{{precision="{p}"}}'] - before.get(
         f'kvpage:kv_demotions_total{{precision="{p}"}}', 0) for p in ("int8", "int4")}  # fmt: skip
-    assert moved["int8"] >= 8 * 4 and moved["int4"] >= 8 * 4  # each 600-token prompt fills both rungs
+    assert moved["int8"] >= 8 * 4 and moved["int4"] >= 8 * 4  # each 400-token prompt fills both rungs
     st = demoting.engine.cache_stats()
     for p in ("int8", "int4"):
         assert after[f'kvpage:kv_demoted_blocks{{precision="{p}",state="total"}}'] == st.demoted_total_blocks[p] > 0
