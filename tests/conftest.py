@@ -101,8 +101,25 @@ def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor
 
 
 @pytest.fixture(scope="session")
-def hf_f32_greedy(hf_f32, prompts):
-    return [hf_greedy(hf_f32, p, 32) for p in prompts]  # 32 tokens: the oracle is ~0.1 s a token
+def hf_f32_greedy(request, prompts, tmp_path_factory):
+    """transformers' 32 greedy tokens of every prompt (the oracle is ~0.1 s a token: ~30 s). Under
+    xdist one worker computes them and the run's other workers read its file (a file lock)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return [hf_greedy(request.getfixturevalue("hf_f32"), p, 32) for p in prompts]
+    import fcntl
+
+    shared = tmp_path_factory.getbasetemp().parent  # this run's, shared by its workers
+    path = shared / "hf_f32_greedy.pt"
+    with open(shared / "hf_f32_greedy.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not path.exists():
+                out = [hf_greedy(request.getfixturevalue("hf_f32"), p, 32) for p in prompts]
+                torch.save(out, path.with_suffix(".tmp"))
+                path.with_suffix(".tmp").rename(path)
+            return torch.load(path)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")
