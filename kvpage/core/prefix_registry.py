@@ -241,6 +241,9 @@ class PrefixRegistry:
         source = self.partial_source(prefix)
         for block in self.hit_blocks(prefix):
             self.pool.incref(block)
+        if source is not None:  # pinned before anything allocates: neither a tier hit's restore nor
+            self.pool.incref(source)  # the copy's own block may be handed it
+            self.ledger.pinned.append(source)
         block_ids = list(prefix.block_ids)
         if prefix.tier_block_ids:
             restored = self.tier.restore(prefix.tier_block_ids, self.pool, self._register)
@@ -248,8 +251,6 @@ class PrefixRegistry:
                 block_ids[i] = b
         n, copies = len(block_ids), []
         if source is not None:
-            self.pool.incref(source)  # pinned first: the allocation below must not hand it out
-            self.ledger.pinned.append(source)
             (copy,) = self.pool.allocate(1)  # type: ignore[misc]
             self.pool.add_tokens(copy, prefix.partial.num_tokens)  # type: ignore[union-attr]
             block_ids.append(copy.block_id)

@@ -112,3 +112,29 @@ def test_reset_prefix_cache_forgets_the_pool_and_the_tier_but_only_when_idle():
     s.add("c", prompt)  # and the pool works as before: the free queue is unchanged
     assert mgr.block_table("c") == [0, 1, 2]
     finish(s)
+
+
+def test_a_tier_restore_never_takes_the_block_a_partial_hit_copies_from():
+    """The partial hit's source is pinned before the tier hits are restored: a free, cached source
+    must not be the block a restore is handed (it would copy the restored KV instead of its own)."""
+    from kvpage.core.eviction import H2O
+
+    kv = KVCacheManager(7, 2, watermark=0.0, num_tier_blocks=1)
+    kv.allocate_slots("c", 3)  # blocks 0, 1
+    a = [1, 2, 3, 4, 5, 6, 7, 8, 9, 9]
+    kv.allocate_slots("a", 10, policy=H2O(heavy_tokens=0, recent_tokens=2))  # blocks 2..6
+    kv.cache_blocks("a", a, 10)
+    kv.commit()
+    assert kv.evict("a", 10) == 4  # 2..5 released, still registered: free queue 2, 3, 4, 5
+    kv.free("c")  # ... 2, 3, 4, 5, 1, 0
+    kv.allocate_slots("a", 2)  # takes block 2: its (1, 2) goes to the CPU tier
+    kv.take_tier_transfers()
+    b = [1, 2, 3, 4, 5, 6, 7, 0]
+    hit = kv.find_cached_prefix(b)  # the tier's block, 3 and 4, and a partial hit on block 5
+    assert hit.tier_block_ids and hit.partial is not None and hit.partial.block_id == 5
+    alloc = kv.allocate_slots("b", len(b) - hit.num_tokens, hit)
+    t = kv.take_tier_transfers()
+    assert [s for s, _ in alloc.copies] == [5]
+    assert not {d for _, d in t.restore} & {s for s, _ in alloc.copies}
+    kv.commit()
+    kv.check_invariants()
