@@ -6,13 +6,18 @@ copy-on-write copies, writes every scheduled token into its slot, and only then 
 its block table, the whole context each scheduled sequence attends to — exactly the order the model
 uses (each layer writes the step's K/V before any sequence attends). The engine's part samples
 random tokens, forks parallel samples, runs a toy beam search (forks and prunes), stops sequences at
-random and aborts requests. After every step it checks:
+random and aborts requests. Some workloads give requests an eviction policy (StreamingLLM, H2O, or
+Demote, with pools of lower precisions: the worker makes the step's demotions first of all, then the
+swaps, copies, sink rotations and a prompt's segment copies, in its own order) and H2O's attention
+mass at random; some send documents, then prompts made of them as segments (core/segments.py), whose
+cached KV is copied slot by slot instead of computed. After every step it checks:
 
     the scheduler raised nothing;  check_invariants() holds;  every context read back is the
-    sequence's own tokens;  a step with work left made progress (tokens, swaps, or an ending)
-    within a few steps;  a request fails only with a reason and only when it really cannot fit
+    sequence's own tokens (those of its resident blocks, then of its demoted ones);  a step with
+    work left made progress (tokens, swaps, or an ending) within a few steps;  a request fails only
+    with a reason and only when it really cannot fit
 
-and at the end: every request finished or failed, and no block is in use.
+and at the end: every request finished or failed, and no block is in use (nor any demoted one).
 
     python -m kvpage.tools.scheduler_sim --seeds 5000      # the long fuzz (make test-slow)
 """
@@ -25,10 +30,13 @@ import sys
 from dataclasses import dataclass, field
 
 from kvpage.core.block import cdiv
+from kvpage.core.eviction import H2O, Demote, EvictionPolicy, StreamingLLM
 from kvpage.core.kv_cache_manager import KVCacheManager
 from kvpage.core.request import Request
 from kvpage.core.scheduler import Scheduler
 from kvpage.core.scheduler_output import SchedulerOutput
+from kvpage.core.segments import segment_spans
+from kvpage.core.seq_plan import plan_of
 from kvpage.core.step_update import RequestUpdate, SeqUpdate
 
 EOS = 0
@@ -37,6 +45,17 @@ MAX_IDLE_STEPS = 3  # steps in a row with work left and nothing happening before
 
 class SimulationError(AssertionError):
     """The scheduler broke a promise; the message names the seed and the step."""
+
+
+def copy_slots(mem: dict[int, int], runs: list[tuple[int, int, int, int]]) -> None:
+    """A prompt's segments copied slot by slot (src slot, dst slot, length, shift): the shift rotates
+    keys, so in token terms a copy."""
+    for src, dst, n, _ in runs:
+        for i in range(n):
+            if src + i in mem:
+                mem[dst + i] = mem[src + i]
+            else:
+                mem.pop(dst + i, None)
 
 
 def copy_blocks(src: dict[int, int], dst: dict[int, int], pairs: list[tuple[int, int]], block_size: int) -> None:
@@ -61,7 +80,10 @@ class Workload:
     max_num_batched_tokens: int
     max_model_len: int
     watermark: float
-    requests: list[dict] = field(default_factory=list)  # id, prompt, width, beam, max_tokens, arrive, abort_at
+    # id, prompt, width, beam, max_tokens, arrive, abort_at, salt; optional: eviction (a policy),
+    # segments (lengths of the prompt's segments), recompute_blocks, recompute_ratio
+    requests: list[dict] = field(default_factory=list)
+    cold_blocks: dict[str, int] = field(default_factory=dict)  # pools of the precisions Demote demotes to
 
 
 def make_workload(seed: int) -> Workload:
@@ -99,12 +121,53 @@ def make_workload(seed: int) -> Workload:
                 salt=rng.choice([None, None, "s"]),
             )
         )
+    _add_features(w, random.Random(seed * 104729 + 17))
     # a pool most requests fit alone, but not all together: preemption is the rule, not the exception
     need = [r["width"] * cdiv(len(r["prompt"]) + r["max_tokens"], bs) for r in w.requests]
     w.num_blocks = rng.randint(max(3, min(need)), max(4, max(need), sum(need) // 2))
     w.num_cpu_blocks = rng.randint(w.num_blocks // 2, 2 * w.num_blocks) if swap else 0
     w.max_model_len = rng.randint(4, w.num_blocks * bs + 8) if rng.random() < 0.3 else w.num_blocks * bs
     return w
+
+
+def _policy(rng: random.Random, bs: int) -> EvictionPolicy:
+    """A tiny eviction policy (windows of a block or two, so that it bites)."""
+    kind = rng.choice(["streaming", "h2o", "demote", "demote"])
+    if kind == "streaming":
+        return StreamingLLM(sink_tokens=rng.randint(0, bs), window_tokens=rng.randint(1, 2 * bs))
+    if kind == "h2o":
+        return H2O(heavy_tokens=rng.randint(0, 2 * bs), recent_tokens=rng.randint(1, 2 * bs))
+    return Demote(hot_tokens=rng.randint(0, bs), int8_tokens=rng.randint(0, 2 * bs), int4_tokens=rng.randint(0, 2 * bs),
+                  recent_tokens=rng.randint(1, 2 * bs), cpu_tokens=rng.choice([0, 0, bs]))  # fmt: skip
+
+
+def _add_features(w: Workload, rng: random.Random) -> None:
+    """Eviction policies and prompts of segments, for some workloads: drawn from their own stream, so
+    that the others stay what they were."""
+    bs = w.block_size
+    if rng.random() < 0.3:  # some requests bound their memory
+        for r in w.requests:
+            if rng.random() < 0.6:
+                r["eviction"] = _policy(rng, bs)
+        if any(isinstance(r.get("eviction"), Demote) for r in w.requests):
+            w.cold_blocks = {"int8": rng.randint(0, 4), "int4": rng.randint(0, 4), "cpu": rng.randint(0, 2)}
+    if rng.random() < 0.3:  # documents first, then prompts that give them as segments
+        docs = [[rng.randrange(1, 50) for _ in range(rng.randint(1, 3 * bs + 2))] for _ in range(rng.randint(1, 3))]
+        salt = rng.choice([None, None, "s"])
+        for j, doc in enumerate(docs):
+            w.requests.append(dict(id=f"d{j}", prompt=list(doc), width=1, beam=False, max_tokens=rng.randint(1, 4),
+                                   arrive=rng.randint(0, 4), abort_at=None, salt=salt))  # fmt: skip
+        for i in range(rng.randint(1, 4)):
+            first = [rng.randrange(1, 50) for _ in range(rng.randint(1, bs + 1))]
+            middle = [rng.choice(docs) for _ in range(rng.randint(1, 2))]
+            question = [rng.randrange(1, 50) for _ in range(rng.randint(1, bs + 1))]
+            parts = [first, *middle, question]
+            w.requests.append(dict(
+                id=f"g{i}", prompt=[t for g in parts for t in g], segments=[len(g) for g in parts],
+                recompute_blocks=rng.choice([0, 0, 1]), recompute_ratio=rng.choice([0.0, 0.0, 0.25]),
+                width=rng.choice([1, 1, 2]), beam=rng.random() < 0.2, max_tokens=rng.randint(1, 2 * bs + 4),
+                arrive=rng.randint(2, 14), abort_at=rng.randint(3, 60) if rng.random() < 0.1 else None, salt=salt,
+            ))  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -124,6 +187,7 @@ class Simulation:
             num_cpu_blocks=w.num_cpu_blocks,
             enable_prefix_caching=w.enable_prefix_caching,
             watermark=w.watermark,
+            cold_blocks=w.cold_blocks,
         )
         self.sched = Scheduler(
             self.kv,
@@ -134,6 +198,7 @@ class Simulation:
         )
         self.gpu: dict[int, int] = {}  # slot -> token id
         self.cpu: dict[int, int] = {}
+        self.cold: dict[str, dict[int, int]] = {p: {} for p in w.cold_blocks}  # demoted blocks, per precision
         self.sims: dict[str, _ReqSim] = {}
         self.ended: dict[str, str | None] = {}  # request id -> failure reason (None: finished or aborted)
         self.step_no = 0
@@ -160,7 +225,7 @@ class Simulation:
             self.sched.check_invariants()
             self._execute(out)
             updates = self._decide(out)
-            result = self.sched.update_from_output(out, updates)
+            result = self.sched.update_from_output(out, updates, self._mass(out))
             self.sched.check_invariants()
             for rid in result.finished:
                 self.ended[rid] = None
@@ -180,11 +245,15 @@ class Simulation:
         if missing:
             raise self.fail(f"requests never ended: {sorted(missing)}")
         st = self.kv.stats()
-        if st.used_blocks or st.cpu_used_blocks or self.kv.seq_ids():
-            raise self.fail(f"blocks still in use at the end: {st}")
+        cold = {p: pool.num_total - pool.num_free for p, pool in self.kv.eviction.cold.items()}
+        if st.used_blocks or st.cpu_used_blocks or self.kv.seq_ids() or any(cold.values()):
+            raise self.fail(f"blocks still in use at the end: {st}, demoted {cold}")
         self.kv.check_invariants()
         failed = sum(r is not None for r in self.ended.values())
-        return {"steps": self.step_no, "failed": failed, "preemptions": self.sched.num_preemptions}
+        ev = self.kv.eviction
+        return {"steps": self.step_no, "failed": failed, "preemptions": self.sched.num_preemptions,
+                "evicted_tokens": ev.num_evicted_tokens, "demoted_blocks": sum(ev.num_demoted.values()),
+                "segment_tokens_copied": self.kv.num_segment_tokens_copied}  # fmt: skip
 
     def _state(self) -> str:
         s = self.sched
@@ -194,14 +263,17 @@ class Simulation:
         )
 
     def _add(self, spec: dict) -> None:
+        spans = segment_spans(spec["segments"]) if spec.get("segments") else ()
         req = Request(
             spec["id"],
             list(spec["prompt"]),
             self.step_no,
             cache_salt=spec["salt"],
             width=spec["width"],
-            independent=spec["width"] > 1 and not spec["beam"],
-        )  # as the engine makes parallel samples
+            independent=spec["width"] > 1 and not spec["beam"],  # as the engine makes parallel samples
+            eviction=spec.get("eviction"),
+            plan=plan_of(spans, spec.get("recompute_blocks", 1), spec.get("recompute_ratio", 0.0)),
+        )
         self.sched.add_request(req)
         self.sims[spec["id"]] = _ReqSim(spec)
 
@@ -222,19 +294,43 @@ class Simulation:
 
     # ------------------------------------------------------------------ the worker
     def _execute(self, out: SchedulerOutput) -> None:
+        """The worker's order (worker/model_runner.py): demotions first of all (their sources may be
+        reused below), swaps, copy-on-write, sink rotations, segment copies, then the forward."""
         bs = self.w.block_size
+        for src_p, src, dst_p, dst in out.demotions:  # one after another: a block a move frees may be a later one's
+            pools = {"hot": self.gpu, **self.cold}
+            copy_blocks(pools[src_p], pools[dst_p], [(src, dst)], bs)
         copy_blocks(self.gpu, self.cpu, out.swap_out, bs)
         copy_blocks(self.cpu, self.gpu, out.swap_in, bs)
         copy_blocks(self.gpu, self.gpu, out.copies, bs)
-        for s in out.sequences:  # every layer writes the step's K/V first ...
-            for pos, tok in enumerate(s.token_ids, start=s.num_computed):
+        copy_blocks(self.gpu, self.gpu, [(s, d) for s, d, _ in out.rotations], bs)  # (rotated keys: same tokens)
+        copy_slots(self.gpu, out.slot_copies)
+        for s in out.sequences:  # every layer writes the step's K/V first (positions past the evicted ones) ...
+            for pos, tok in enumerate(s.token_ids, start=s.num_computed - s.num_evicted):
                 self.gpu[s.block_table[pos // bs] * bs + pos % bs] = tok
-        for s in out.sequences:  # ... then each sequence attends to its whole context
+        for s in out.sequences:  # ... then each sequence attends to its whole context: resident blocks, then demoted
             req = self.sched.requests[s.seq_id.request_id]
             tokens = req.sequences[s.seq_id.index].token_ids
-            seen = [self.gpu.get(s.block_table[p // bs] * bs + p % bs) for p in range(s.seq_len)]
-            if seen != tokens[: s.seq_len]:
-                raise self.fail(f"{s.seq_id} attends to {seen}, not its tokens {tokens[: s.seq_len]}")
+            want, demoted = tokens[: s.seq_len], {}
+            if s.num_evicted:  # holes: blocks its policy dropped or demoted (which: the table's own record)
+                logical = self.kv.block_table(s.seq_id)
+                want = [t for i, t in enumerate(want) if logical[i // bs] is not None]
+                demoted = self.kv._table(s.seq_id).demoted
+            seen = [self.gpu.get(s.block_table[p // bs] * bs + p % bs) for p in range(s.kv_len)]
+            if seen != want:
+                raise self.fail(f"{s.seq_id} attends to {seen}, not its tokens {want}")
+            if len(s.cold_blocks) != len(demoted):
+                raise self.fail(f"{s.seq_id} attends to demoted blocks {s.cold_blocks}, not its {demoted}")
+            for (p, b), i in zip(s.cold_blocks, sorted(demoted), strict=True):
+                seen = [self.cold[p].get(b * bs + o) for o in range(bs)]
+                if seen != tokens[i * bs : (i + 1) * bs]:
+                    raise self.fail(f"{s.seq_id} attends to {seen} in its demoted block {i} ({p} {b}), "
+                                    f"not its tokens {tokens[i * bs : (i + 1) * bs]}")  # fmt: skip
+
+    def _mass(self, out: SchedulerOutput) -> dict:
+        """H2O's (and Demote's) attention mass: a random share for each entry the step read."""
+        return {s.seq_id: [self.rng.random() for _ in range(len(s.block_table) + len(s.cold_blocks))]
+                for s in out.sequences if s.want_mass}  # fmt: skip
 
     # ------------------------------------------------------------------ the engine
     def _decide(self, out: SchedulerOutput) -> dict[str, RequestUpdate]:
@@ -315,12 +411,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=1000)
     ap.add_argument("--start", type=int, default=0)
     args = ap.parse_args(argv)
-    totals = {"steps": 0, "failed": 0, "preemptions": 0}
+    totals: dict[str, int] = {}
     for seed in range(args.start, args.start + args.seeds):
         for k, v in simulate(seed).items():
-            totals[k] += v
+            totals[k] = totals.get(k, 0) + v
     print(f"{args.seeds} workloads: {totals['steps']} steps, {totals['preemptions']} preemptions, "
-          f"{totals['failed']} requests failed alone (each could never fit); every check held")  # fmt: skip
+          f"{totals['failed']} requests failed alone (each could never fit), {totals['evicted_tokens']} tokens "
+          f"evicted, {totals['demoted_blocks']} blocks demoted, {totals['segment_tokens_copied']} segment tokens "
+          f"copied; every check held")  # fmt: skip
     return 0
 
 

@@ -10,6 +10,12 @@ reference, as a request owns them) and this model reads them from there.
 A failed step is modelled too: while a journal is open, every token written records the slot's
 previous content, and `rollback()` restores it (the KV of a step that never ran was never written).
 Block copies (copy-on-write, swap) are not journalled: the worker performs them before the forward.
+
+Blocks a policy demoted (core/eviction: Demote) go to pools of lower precisions (`cold`, one memory
+each, "hot" naming the GPU pool): the manager queues the moves and the worker makes them first of
+all in the next step, so here they wait (`pending`) until the next operation that touches memory,
+and the checks read a demoted block as it will be once they are made: its source must still hold
+its KV until then, whatever the manager did with the block meanwhile.
 """
 
 from __future__ import annotations
@@ -28,13 +34,33 @@ class KVMemory:
         self.cpu: dict[int, int] = {}
         self.tier: dict[int, int] = {}  # the prefix cache's CPU tier
         self._journal: list[tuple[int, int | None]] = []  # (gpu slot, previous token) of this step's writes
+        self.cold: dict[str, dict[int, int]] = {p: {} for p in mgr.eviction.cold}  # precision -> slot -> token
+        self.pending: list[tuple[str, int, str, int]] = []  # demotions queued, not yet made by the worker
 
     def _copy_blocks(self, src: dict[int, int], dst: dict[int, int], pairs: list[tuple[int, int]]) -> None:
         copy_blocks(src, dst, pairs, self.mgr.block_size)
 
+    def queue_demotions(self) -> list[tuple[str, int, str, int]]:
+        """Take the demotions the manager queued since the last call (returned): made before anything else."""
+        moves = self.mgr.take_demotions()
+        self.pending += moves
+        return moves
+
+    def demote(self) -> None:
+        """The worker's first act: the queued demotions, in order (a block a move frees may be the
+        destination of a later one)."""
+        self.queue_demotions()
+        self._demote(self.pending, {"hot": self.gpu, **self.cold})
+        self.pending = []
+
+    def _demote(self, moves: list[tuple[str, int, str, int]], pools: dict[str, dict[int, int]]) -> None:
+        for src_p, src, dst_p, dst in moves:
+            copy_blocks(pools[src_p], pools[dst_p], [(src, dst)], self.mgr.block_size)
+
     def transfers(self) -> None:
         """The tier copies the manager planned so far: evicted blocks out first, then hits back in
-        (the worker runs them before anything else of the step)."""
+        (the worker runs them before anything else of the step but the demotions)."""
+        self.demote()
         t = self.mgr.take_tier_transfers()
         offload, restore = t.offload, t.restore
         if offload or restore:
@@ -46,25 +72,45 @@ class KVMemory:
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write on the GPU pool."""
+        self.demote()
         self._copy_blocks(self.gpu, self.gpu, pairs)
 
     def copy_before_writes(self, pairs: list[tuple[int, int]]) -> None:
         """Copies the worker makes before the step's forward (a partial prefix hit's): the source
         blocks as they were before this step's writes."""
-        before: dict[int, int | None] = {}
-        for slot, prev in self._journal:
-            before.setdefault(slot, prev)
+        self.demote()
+        before = self.before_writes()
         bs = self.mgr.block_size
         for src, dst in pairs:
             for i in range(bs):
-                value = before[src * bs + i] if src * bs + i in before else self.gpu.get(src * bs + i)
-                if value is None:
-                    self.gpu.pop(dst * bs + i, None)
-                else:
-                    self.gpu[dst * bs + i] = value
+                self._set(dst * bs + i, before(src * bs + i))
+
+    def copy_slots_before_writes(self, runs: list[tuple[int, int, int, int]]) -> None:
+        """A prompt's segments copied slot by slot (segments.py: (src slot, dst slot, length, shift)),
+        by the worker before the step's forward: the sources as they were before this step's writes
+        (the shift rotates keys; in token terms a copy)."""
+        self.demote()
+        before = self.before_writes()
+        for src, dst, n, _ in runs:
+            for i in range(n):
+                self._set(dst + i, before(src + i))
+
+    def before_writes(self):
+        """slot -> its token before this step's writes."""
+        first: dict[int, int | None] = {}
+        for slot, prev in self._journal:
+            first.setdefault(slot, prev)
+        return lambda slot: first[slot] if slot in first else self.gpu.get(slot)
+
+    def _set(self, slot: int, value: int | None) -> None:
+        if value is None:
+            self.gpu.pop(slot, None)
+        else:
+            self.gpu[slot] = value
 
     def write(self, seq_id: Hashable, start: int, end: int) -> None:
         """The model wrote the KV of tokens [start, end) of the sequence into their slots."""
+        self.demote()
         tokens = self.tokens[seq_id]
         for t, slot in zip(range(start, end), self.mgr.slot_mapping(seq_id, start, end), strict=True):
             self._journal.append((slot, self.gpu.get(slot)))
@@ -126,3 +172,19 @@ class KVMemory:
             table, bs = self.mgr.block_table(seq_id), self.mgr.block_size
             expect = [None if table[t // bs] is None else tok for t, tok in enumerate(tokens[:n])]  # holes read nothing
             assert self.read(seq_id)[:n] == expect, f"{seq_id} reads back other KV"
+        self.check_demoted()
+
+    def check_demoted(self) -> None:
+        """Every demoted block holds its sequence's tokens, as the queued demotions will leave it (made
+        on copies here: the real ones wait for the next operation)."""
+        self.queue_demotions()
+        pools = {"hot": self.gpu, **self.cold}
+        if self.pending:
+            pools = {p: dict(m) for p, m in pools.items()}
+            self._demote(self.pending, pools)
+        bs = self.mgr.block_size
+        for seq_id in self.mgr.seq_ids():
+            tokens = self.tokens[seq_id]
+            for i, (p, b) in self.mgr._table(seq_id).demoted.items():
+                got = [pools[p].get(b * bs + o) for o in range(bs)]
+                assert got == list(tokens[i * bs : (i + 1) * bs]), f"{seq_id}: block {i} (demoted, {p} {b}) reads {got}"

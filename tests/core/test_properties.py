@@ -7,8 +7,9 @@ or fails (`discard_uncommitted`: its KV writes are undone, the sequences it crea
 the others fall back to what they had computed before it). Every operation is followed by
 `check_invariants(tokens)` and by reading every sequence's computed tokens back through its block
 table, so a plan that overwrote a shared block, lost a copy-on-write, swapped the wrong block or
-served a hit whose KV was never written is caught where it happens. Each run ends by freeing
-everything and checking the pools are fully free.
+served a hit whose KV was never written is caught where it happens. Prompts given as segments copy
+each reused segment's own cached KV slot by slot (segments.py), under the same interleaving. Each run
+ends by freeing everything and checking the pools (those of demoted blocks too) are fully free.
 """
 
 import os
@@ -19,7 +20,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvpage.core import AdmissionStatus, KVCacheManager
-from kvpage.core.eviction import H2O, StreamingLLM
+from kvpage.core.eviction import H2O, Demote, EvictionWindows, StreamingLLM
+from kvpage.core.segments import segment_spans
 from tests.core.kv_memory import KVMemory
 
 # A few shared "system prompts" so that random prompts often share prefixes.
@@ -36,10 +38,10 @@ class ManagerMachine(RuleBasedStateMachine):
         watermark=st.sampled_from([0.0, 0.1]),
         num_tier_blocks=st.sampled_from([0, 0, 1, 3]),
     )
-    def setup(self, num_blocks, block_size, num_cpu_blocks, caching, watermark, num_tier_blocks):
+    def setup(self, num_blocks, block_size, num_cpu_blocks, caching, watermark, num_tier_blocks, cold_blocks=None):
         self.mgr = KVCacheManager(
             num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=caching, watermark=watermark,
-            num_tier_blocks=num_tier_blocks,
+            num_tier_blocks=num_tier_blocks, cold_blocks=cold_blocks,
         )  # fmt: skip
         self.tokens: dict[str, list[int]] = {}  # every sequence's token ids: the test owns them
         self.computed: dict[str, int] = {}  # leading tokens whose KV the "model" has written
@@ -47,6 +49,11 @@ class ManagerMachine(RuleBasedStateMachine):
         self.created: set[str] = set()  # sequences created in the current step
         self.step_start: dict[str, int] = {}  # computed count before the current step, of those it touched
         self.next_id = 0
+        # prompts of segments (seq_plan.py: SegmentFill, as the scheduler keeps it per sequence)
+        self.filled: dict[str, list[tuple[int, int]]] = {}  # spans whose KV a segment's copy wrote
+        self.exact_upto: dict[str, int] = {}  # where a sequence's exactly computed KV ends (its first copy)
+        self.docs: list[list[int]] = []  # prompts admitted so far: a later prompt's segments
+        self.held: list[int] = []  # the segments' cached blocks the current step holds (sources of its copies)
 
     policies: list = [None]  # eviction policies given to new sequences in turn (EvictingManagerMachine)
 
@@ -77,12 +84,36 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def forget(self, seq_id):
         del self.tokens[seq_id], self.computed[seq_id]
+        self.filled.pop(seq_id, None)
+        self.exact_upto.pop(seq_id, None)
+
+    def cacheable(self, seq_id, n: int) -> int:
+        """Of its first n tokens, those the prefix cache may register (nothing from a segment's copy on)."""
+        return min(n, self.exact_upto.get(seq_id, n))
+
+    def run_tokens(self, seq_id, start: int, end: int) -> None:
+        """The model computes tokens [start, end) of a sequence, skipping the spans a segment's copy
+        filled (the scheduler's runs do: their KV is there already)."""
+        pos = start
+        for a, b in self.filled.get(seq_id, []):
+            if a < end and b > pos:
+                if a > pos:
+                    self.mem.write(seq_id, pos, a)
+                pos = b
+        if pos < end:
+            self.mem.write(seq_id, pos, end)
+
+    def remember(self, prompt):
+        """A prompt a later one may give as a segment (its own KV is cached once computed)."""
+        if prompt not in self.docs:
+            self.docs = [*self.docs[-5:], list(prompt)]
 
     @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(tokens, max_size=10), salt=st.sampled_from([None, "t"]))
     def add(self, prefix, suffix, salt):
         prompt = prefix + suffix
         if not prompt:
             return
+        self.remember(prompt)
         seq_id = self.new_id()
         hit = self.mgr.find_cached_prefix(prompt, salt)
         bs, partial = self.mgr.block_size, hit.partial.num_tokens if hit.partial else 0
@@ -115,6 +146,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def admit_group(self, data, prefix, suffix, num_siblings, salt, use_prefix_cache, keep_watermark):
         """A request with several live sequences (samples or beams brought back) enters at once."""
         lead = prefix + suffix
+        self.remember(lead)
         lists = [lead]
         for _ in range(num_siblings):
             agree = data.draw(st.integers(0, len(lead)))
@@ -187,8 +219,8 @@ class ManagerMachine(RuleBasedStateMachine):
         start = self.computed[seq_id]
         n = data.draw(st.integers(start, self.mgr.num_tokens(seq_id)))
         self.touch(seq_id)
-        self.mem.write(seq_id, start, n)
-        self.mgr.cache_blocks(seq_id, self.tokens[seq_id], n)
+        self.run_tokens(seq_id, start, n)
+        self.mgr.cache_blocks(seq_id, self.tokens[seq_id], self.cacheable(seq_id, n))
         self.computed[seq_id] = n
 
     @precondition(lambda self: self.resident())
@@ -205,6 +237,9 @@ class ManagerMachine(RuleBasedStateMachine):
         self.mgr.fork(parent, child, num_blocks)
         n = len(self.tokens[parent]) if num_blocks is None else num_blocks * self.mgr.block_size
         self.created_now(child, self.tokens[parent][:n], min(n, self.computed[parent]))
+        self.filled[child] = [(a, min(b, n)) for a, b in self.filled.get(parent, []) if a < n]  # (plan.fork)
+        if parent in self.exact_upto:
+            self.exact_upto[child] = self.exact_upto[parent]
 
     @rule(ok=st.booleans())
     def end_step(self, ok):
@@ -223,13 +258,15 @@ class ManagerMachine(RuleBasedStateMachine):
                     self.computed[seq_id] = n
         self.created.clear()
         self.step_start.clear()
+        self.held = []
+        assert self.mgr.prefix.pinned_blocks() == []  # the step's copies ran: their sources are let go
 
     @precondition(lambda self: self.untouched())
     @rule(data=st.data())
     def free(self, data):  # finished or aborted (mid-prefill when computed < tokens)
         seq_id = data.draw(st.sampled_from(self.untouched()))
         if data.draw(st.booleans()):  # as the scheduler frees a sequence that ends: its tail stays cached
-            self.mgr.free(seq_id, self.tokens[seq_id], self.computed[seq_id])
+            self.mgr.free(seq_id, self.tokens[seq_id], self.cacheable(seq_id, self.computed[seq_id]))
             if any(self.mgr.prefix.is_tail(b) for b in self.mgr.pool.blocks):
                 event("a tail block cached")
         else:
@@ -265,6 +302,8 @@ class ManagerMachine(RuleBasedStateMachine):
             return
         self.mgr.check_invariants(self.tokens)
         self.mem.check(self.computed)
+        pinned = self.mgr.prefix.pinned_blocks()
+        assert all(pinned.count(b) >= self.held.count(b) for b in self.held)  # held until the step ends
 
     def teardown(self):
         if not hasattr(self, "mgr"):
@@ -276,6 +315,7 @@ class ManagerMachine(RuleBasedStateMachine):
         st_ = self.mgr.stats()
         assert st_.used_blocks == 0 and st_.cpu_used_blocks == 0
         assert st_.free_blocks == st_.total_blocks and st_.logical_blocks == 0
+        assert all(pool.num_free == pool.num_total for pool in self.mgr.eviction.cold.values())
 
 
 SCALE = float(os.environ.get("KVPAGE_PROPERTY_SCALE", "0.7"))  # CI: 700 examples; `make test-slow`: 10,000
@@ -320,11 +360,11 @@ class TieredManagerMachine(ManagerMachine):
             return
         seq_id = data.draw(st.sampled_from(self.resident()))
         n = self.mgr.num_tokens(seq_id)
-        self.mem.write(seq_id, self.computed[seq_id], n)
-        self.mgr.cache_blocks(seq_id, self.tokens[seq_id], n)
+        self.run_tokens(seq_id, self.computed[seq_id], n)
+        self.mgr.cache_blocks(seq_id, self.tokens[seq_id], self.cacheable(seq_id, n))
         self.mgr.commit()
         self.mem.commit()
-        self.mgr.free(seq_id, self.tokens[seq_id], n)
+        self.mgr.free(seq_id, self.tokens[seq_id], self.cacheable(seq_id, n))
         self.forget(seq_id)
 
     @precondition(lambda self: self.seen)
@@ -337,6 +377,129 @@ class TieredManagerMachine(ManagerMachine):
 
 TieredManagerMachine.TestCase.settings = machine_settings(500, 40)
 TestTieredManagerProperties = TieredManagerMachine.TestCase
+
+
+class SegmentingManagerMachine(ManagerMachine):
+    """The same with room for prompts of segments to be admitted beside their cached sources (caching
+    on, pools a little larger): copies happen among steps, frees, swaps and failures."""
+
+    @initialize(
+        num_blocks=st.integers(8, 20),
+        block_size=st.sampled_from([2, 3, 4]),
+        num_cpu_blocks=st.integers(0, 6),
+        caching=st.just(True),
+        watermark=st.just(0.0),
+        num_tier_blocks=st.sampled_from([0, 0, 2]),
+    )
+    def setup(self, num_blocks, block_size, num_cpu_blocks, caching, watermark, num_tier_blocks):
+        super().setup(num_blocks, block_size, num_cpu_blocks, caching, watermark, num_tier_blocks)
+
+    def finish(self, n: int) -> None:
+        """The oldest n sequences the step has not touched end (as the free rule ends them): the pool
+        of this machine would otherwise stay full of live sequences, and prompts wait forever."""
+        for seq_id in self.untouched()[:n]:
+            self.mgr.free(seq_id, self.tokens[seq_id], self.cacheable(seq_id, self.computed[seq_id]))
+            self.forget(seq_id)
+
+    @rule(data=st.data(), salt=st.sampled_from([None, None, None, "t"]), keep=st.booleans(), finish=st.integers(0, 3))
+    def cache_doc(self, data, salt, keep, finish):
+        """The step ends; then a document runs alone, as a prompt of its own, in a step of its own
+        (its KV is what a later prompt that gives it as a segment copies), and ends or stays."""
+        doc = data.draw(st.lists(tokens, min_size=1, max_size=3 * self.mgr.block_size))
+        self.end_step(ok=True)
+        self.finish(finish)
+        seq_id = f"s{self.next_id}"
+        self.add(doc, [], salt)
+        if not self.mgr.has_sequence(seq_id):
+            return
+        self.run_tokens(seq_id, self.computed[seq_id], len(doc))
+        self.mgr.cache_blocks(seq_id, doc, len(doc))
+        self.computed[seq_id] = len(doc)
+        self.end_step(ok=True)
+        if not keep:
+            self.mgr.free(seq_id, doc, len(doc))
+            self.forget(seq_id)
+
+    @rule(
+        data=st.data(),
+        first=st.lists(tokens, min_size=1, max_size=3),
+        question=st.lists(tokens, min_size=1, max_size=4),
+        salt=st.sampled_from([None, None, None, "t"]),
+        recompute_blocks=st.sampled_from([0, 0, 1]),
+        finish=st.integers(0, 3),
+        doc_first=st.booleans(),
+    )
+    def admit_segments(self, data, first, question, salt, recompute_blocks, finish, doc_first):
+        """A prompt given as segments, admitted as the scheduler admits it (seq_plan.py: SegmentFill):
+        its middle segments are prompts seen before (or their starts), whose own cached blocks are
+        held before admission allocates (given back if the prompt does not fit beside them), then
+        copied slot by slot into the new sequence before the step's forward; the first segment is an
+        ordinary prefix, the last (the question) is computed. Half the time a document is cached
+        just before (`cache_doc`), as a client sends the documents first."""
+        if doc_first:
+            self.cache_doc(data, salt, data.draw(st.booleans()), finish)
+        # prompts seen, and what each sequence has computed (this step's too: not yet a source, being unwritten)
+        seen = self.docs + [self.tokens[s][: self.computed[s]] for s in self.mgr.seq_ids() if self.computed[s]]
+        if not seen:
+            return
+        cached = [d for d in seen if self.mgr.num_resident_blocks(d, salt)]  # (drawn more often: they copy)
+        some = st.sampled_from(seen)
+        if cached:
+            some = st.one_of(some, *[st.sampled_from(cached)] * 3)
+        bs, pins = self.mgr.block_size, list(self.mgr.prefix.pinned_blocks())
+        docs = [d[: min(len(d), 3 * bs)] for d in data.draw(st.lists(some, min_size=1, max_size=2))]  # (short)
+        docs = [d[: data.draw(st.just(len(d)) | st.integers(1, len(d)))] for d in docs]  # whole, or its start
+        segments = [g for g in [first, *docs, question] if g]
+        prompt = [t for g in segments for t in g]
+        spans = segment_spans([len(g) for g in segments])
+        self.finish(finish)
+        hits = self.mgr.hold_segments(prompt, spans, salt)
+        before = self.mem.before_writes()
+        for i, ((pos, n), chain) in enumerate(zip(spans, hits, strict=True)):
+            middle = 0 < i < len(spans) - 1  # (the first is a prefix, the last is computed: neither is held)
+            assert chain == (self.mgr.prefix.resident_chain(prompt[pos : pos + n], salt) if middle else [])
+            assert len(chain) <= n // bs
+            for j, b in enumerate(chain):  # registered, and written by a step that ran: before this one
+                assert self.mgr.pool.blocks[b].cache_key.token_ids == tuple(prompt[pos + j * bs : pos + (j + 1) * bs])
+                assert [before(b * bs + o) for o in range(bs)] == prompt[pos + j * bs : pos + (j + 1) * bs]
+        assert sorted(self.mgr.prefix.pinned_blocks()) == sorted(pins + [b for h in hits for b in h])
+        adm = self.mgr.check_admission([prompt], salt)
+        if adm.status is not AdmissionStatus.NOW and any(hits):
+            event("segments give way")
+            self.mgr.release_segments(hits)
+            hits = [[] for _ in hits]
+            adm = self.mgr.check_admission([prompt], salt)
+        if adm.status is not AdmissionStatus.NOW:
+            assert sorted(self.mgr.prefix.pinned_blocks()) == sorted(pins)
+            return
+        seq_id = self.new_id()
+        copies = self.mgr.admit([seq_id], [prompt], adm)  # (no eviction policy goes with segments)
+        self.mem.transfers()
+        self.mem.copy_before_writes(copies)
+        computed, copied = adm.prefix.num_tokens, self.mgr.num_segment_tokens_copied
+        fills = self.mgr.fill_segments(seq_id, spans, hits, recompute_blocks, computed)
+        expect = []  # each middle segment: from its first block not recomputed (nor hit) to its last cached
+        for i, ((pos, n), chain) in enumerate(zip(spans, hits, strict=True)):
+            start, end = pos + max(recompute_blocks * bs, computed - pos), pos + min(len(chain), n // bs) * bs
+            if 0 < i < len(spans) - 1 and start < end:
+                expect.append((start, end))
+        assert [(f.start, f.end) for f in fills] == expect
+        assert self.mgr.num_segment_tokens_copied - copied == sum(e - s for s, e in expect)
+        assert all(set(f.source_blocks) <= set(self.mgr.prefix.pinned_blocks()) for f in fills)
+        self.mem.copy_slots_before_writes([r for f in fills for r in f.runs])
+        if fills:
+            event("segments copied")
+        read = self.mem.read(seq_id)
+        assert all(read[s:e] == prompt[s:e] for s, e in expect)  # the copies land where the prompt has them
+        self.held += [b for h in hits for b in h]
+        self.created_now(seq_id, prompt, computed)
+        self.filled[seq_id] = expect
+        if expect:
+            self.exact_upto[seq_id] = expect[0][0]
+
+
+SegmentingManagerMachine.TestCase.settings = machine_settings(150, 30)
+TestSegmentingManagerProperties = SegmentingManagerMachine.TestCase
 
 
 class EvictingManagerMachine(ManagerMachine):
@@ -362,22 +525,56 @@ class EvictingManagerMachine(ManagerMachine):
         super().setup(num_blocks, block_size, num_cpu_blocks, caching, watermark, num_tier_blocks)
         self.policies = policies
 
+    def place(self, seq_id, n: int, mass) -> int:
+        """After a step that left n tokens in the cache: the sequence's policy places its blocks. Each
+        entry only goes down (resident, then down the policy's ladder, then dropped); every move
+        queued for the worker is one entry's, from where it was to where it is; this sequence's
+        reference goes, its sharers keep theirs; and what stays outside the recent window fits the
+        policy's budget (its ladder's quotas, rung by rung)."""
+        table = self.mgr._table(seq_id)
+        before, demoted = list(table.block_ids), dict(table.demoted)
+        holders = {b: self.mgr.pool.blocks[b].ref_count for b in before if b is not None}
+        released = self.mgr.evict(seq_id, n, mass)
+        moves = self.mem.queue_demotions()
+        win = self.mgr.eviction._windows.get(seq_id)
+        if win is None:
+            assert released == 0 and not moves and table.block_ids == before
+            return 0
+        policy, bs, dropped = win.policy, self.mgr.block_size, len(win.policy.ladder) + 1
+
+        def level(ids, tags, i):  # 0: resident; k: the ladder's k-th rung; past the ladder: dropped
+            return 0 if ids[i] is not None else policy.ladder.index(tags[i][0]) + 1 if i in tags else dropped
+
+        was = [level(before, demoted, i) for i in range(len(before))]
+        now = [level(table.block_ids, table.demoted, i) for i in range(len(before))]
+        assert all(a >= b for a, b in zip(now, was, strict=True)), f"a block went up: {was} -> {now}"
+        assert released == sum(a == dropped != b for a, b in zip(now, was, strict=True))
+        moved = [i for i, (a, b) in enumerate(zip(now, was, strict=True)) if b < a < dropped]
+        assert sorted(moves) == sorted(((("hot", before[i]) if was[i] == 0 else demoted[i]) + table.demoted[i])
+                                       for i in moved)  # fmt: skip
+        for i, b in enumerate(before):
+            if b is not None and now[i]:  # this sequence's reference went; every other holder keeps the block
+                assert self.mgr.pool.blocks[b].ref_count == holders[b] - 1
+        window = getattr(policy, "window_tokens", None) or policy.recent_tokens
+        old = [now[i] for i in range(len(before)) if (i + 1) * bs <= n - window]
+        quotas = policy.quotas(bs) or (policy.budget_tokens(bs) // bs - policy.window_blocks(bs),)
+        for rung in range(len(quotas)):  # (a rung whose pool is full sends its blocks lower)
+            assert sum(lv <= rung for lv in old) <= sum(quotas[: rung + 1]), f"{policy}: {old} over {quotas}"
+        if released:
+            event("blocks dropped")
+        if moves:
+            event("blocks demoted")
+        return released
+
     @precondition(lambda self: [s for s in self.untouched() if not self.mgr.is_swapped(s)])
     @rule(data=st.data())
     def evict(self, data):
-        """After a step: a sequence's policy releases blocks (H2O scores them by a random mass)."""
+        """After a step: a sequence's policy places its blocks (H2O and Demote rank them by a random
+        mass, one value per entry attention read: the resident ones, then the demoted ones)."""
         seq_id = data.draw(st.sampled_from([s for s in self.untouched() if not self.mgr.is_swapped(s)]))
-        table = self.mgr.block_table(seq_id)
-        holders = {b: self.mgr.pool.blocks[b].ref_count for b in table if b is not None}
-        mass = data.draw(st.lists(st.floats(0, 1), min_size=len(table), max_size=len(table)))
-        released = self.mgr.evict(seq_id, self.computed[seq_id], mass)
-        after = self.mgr.block_table(seq_id)
-        gone = [b for b, a in zip(table, after, strict=True) if b is not None and a is None]
-        assert len(gone) == released
-        for b in gone:  # this sequence's reference went; every other holder keeps the block
-            assert self.mgr.pool.blocks[b].ref_count == holders[b] - 1
-        if released:
-            event(f"evicted {released} block(s)")
+        num_read = len(EvictionWindows.read_order(self.mgr._table(seq_id)))
+        mass = data.draw(st.none() | st.lists(st.floats(0, 1), min_size=num_read, max_size=num_read))
+        self.place(seq_id, self.computed[seq_id], mass)
 
     @precondition(lambda self: [s for s in self.untouched() if not self.mgr.is_swapped(s)])
     @rule(data=st.data())
@@ -385,10 +582,13 @@ class EvictingManagerMachine(ManagerMachine):
         """A whole step of one sequence, as the scheduler runs it: slots for a few new tokens (sink
         copies first, if due), their KV written and registered, the step committed, then its policy."""
         seq_id = data.draw(st.sampled_from([s for s in self.untouched() if not self.mgr.is_swapped(s)]))
-        new = data.draw(st.lists(tokens, min_size=0, max_size=4))
+        self.run_step(data, seq_id, data.draw(st.lists(tokens, min_size=0, max_size=4)))
+
+    def run_step(self, data, seq_id, new: list[int]) -> bool:
+        """One step of `seq_id` with `new` tokens (False: no room for them, nothing done)."""
         need = self.mgr.num_blocks_to_grow([(seq_id, len(new))])
         if need > self.mgr.pool.num_free:
-            return
+            return False
         alloc = self.mgr.allocate_slots(seq_id, len(new))
         self.touch(seq_id)
         self.tokens[seq_id].extend(new)
@@ -397,13 +597,14 @@ class EvictingManagerMachine(ManagerMachine):
         self.mem.rotate(self.mgr.prepare_sinks(seq_id))
         self.mem.transfers()
         n = self.mgr.num_tokens(seq_id)
-        self.mem.write(seq_id, self.computed[seq_id], n)
-        self.mgr.cache_blocks(seq_id, self.tokens[seq_id], n)
+        self.run_tokens(seq_id, self.computed[seq_id], n)
+        self.mgr.cache_blocks(seq_id, self.tokens[seq_id], self.cacheable(seq_id, n))
         self.computed[seq_id] = n
         self.end_step(ok=True)
-        released = self.mgr.evict(seq_id, n, [1.0] * len(self.mgr.block_table(seq_id)))
-        if released:
-            event("run_and_evict released blocks")
+        num_read = len(EvictionWindows.read_order(self.mgr._table(seq_id)))  # (ties: each policy's own order)
+        mass = st.just([1.0] * num_read) | st.lists(st.floats(0, 1), min_size=num_read, max_size=num_read)
+        self.place(seq_id, n, data.draw(mass))
+        return True
 
     @precondition(lambda self: self.resident())
     @rule(data=st.data())
@@ -428,3 +629,49 @@ class EvictingManagerMachine(ManagerMachine):
 
 EvictingManagerMachine.TestCase.settings = machine_settings(250, 30)
 TestEvictingManagerProperties = EvictingManagerMachine.TestCase
+
+
+class DemotingManagerMachine(EvictingManagerMachine):
+    """The same with Demote (core/eviction): tiny quotas and tiny pools per precision, so that blocks
+    go down the ladder, fall a rung lower when a pool is full, and are dropped past its end, beside
+    sequences that keep everything or only drop. The moves are the worker's, made first of all in the
+    next step (KVMemory: `pending`): until then each source must hold its KV, whatever the manager did
+    with the block meanwhile; after, each demoted block holds its sequence's tokens."""
+
+    @initialize(
+        num_blocks=st.integers(6, 16),
+        block_size=st.sampled_from([1, 1, 2, 3]),
+        num_cpu_blocks=st.integers(0, 6),
+        caching=st.booleans(),
+        watermark=st.just(0.0),
+        num_tier_blocks=st.sampled_from([0, 2]),
+        policies=st.sampled_from([
+            [Demote(hot_tokens=0, int8_tokens=1, int4_tokens=1, recent_tokens=1, cpu_tokens=1)],
+            [Demote(hot_tokens=1, int8_tokens=1, int4_tokens=2, recent_tokens=1, cpu_tokens=1), None],
+            [Demote(hot_tokens=0, int8_tokens=2, int4_tokens=1, recent_tokens=2), H2O(heavy_tokens=1, recent_tokens=1),
+             StreamingLLM(sink_tokens=1, window_tokens=2)],
+            [Demote(hot_tokens=0, int8_tokens=0, int4_tokens=3, recent_tokens=2)],
+        ]),
+        cold_blocks=st.fixed_dictionaries({"int8": st.sampled_from([1, 1, 2, 0]), "int4": st.integers(0, 3),
+                                           "cpu": st.integers(0, 2)}),
+    )  # fmt: skip
+    def setup(self, num_blocks, block_size, num_cpu_blocks, caching, watermark, num_tier_blocks, policies,
+              cold_blocks):  # fmt: skip
+        ManagerMachine.setup(self, num_blocks, block_size, num_cpu_blocks, caching, watermark, num_tier_blocks,
+                             cold_blocks)  # fmt: skip
+        self.policies = policies
+
+    @precondition(lambda self: [s for s in self.untouched() if not self.mgr.is_swapped(s)])
+    @rule(data=st.data(), steps=st.integers(1, 8))
+    def decode(self, data, steps):
+        """A sequence decodes a few tokens, a step each, its policy placing its blocks after each by a
+        random mass: blocks go down rung by rung, a better one taking a worse one's room."""
+        seq_id = data.draw(st.sampled_from([s for s in self.untouched() if not self.mgr.is_swapped(s)]))
+        self.run_step(data, seq_id, [])  # the rest of its prompt first (its slots are there): then room
+        for _ in range(steps):
+            if not self.run_step(data, seq_id, [data.draw(tokens)]):
+                return
+
+
+DemotingManagerMachine.TestCase.settings = machine_settings(150, 30)
+TestDemotingManagerProperties = DemotingManagerMachine.TestCase
