@@ -71,11 +71,51 @@ def prompts(smollm2) -> list[list[int]]:
     return out
 
 
+def _hf_weights(smollm2) -> Path | None:
+    """transformers' own GGUF loader (the oracle's weights) takes ~15 s here: it parses the file twice and
+    maps every tensor name 400 times. What it produced is kept: its float32 tensors as safetensors in kvpage's
+    cache folder, named by the file's content and the versions of transformers and gguf, so every later load
+    (the other worker, bfloat16, `make test-kinds`) reads the same tensors, bit for bit, in ~0.1 s. None when
+    the cache folder cannot be written (each load then parses the file)."""
+    import fcntl
+    import importlib.metadata as md
+
+    import safetensors.torch
+    import transformers
+
+    from kvpage.models.loader import cache_dir, weights_fingerprint
+
+    key = f"{weights_fingerprint(smollm2.source)}-{transformers.__version__}-{md.version('gguf')}"
+    out = cache_dir() / f"hf-oracle-{key}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out.parent / f"hf-oracle-{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (out / "model.safetensors").exists():
+                path = Path(smollm2.source)
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    str(path.parent), gguf_file=path.name, dtype=torch.float32
+                )
+                tmp = out.with_name(out.name + ".tmp")
+                tmp.mkdir(exist_ok=True)
+                model.config.save_pretrained(tmp)
+                tied = model.config.tie_word_embeddings
+                tensors = {k: v for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+                safetensors.torch.save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+                tmp.rename(out)
+    except OSError:
+        return None
+    return out
+
+
 def _hf_model(smollm2, dtype):
     import transformers
 
     path = Path(smollm2.source)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    if (saved := _hf_weights(smollm2)) is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(saved), dtype=dtype)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     model.generation_config.eos_token_id = None  # generate the full length, as our tests do
     model.generation_config.pad_token_id = 0
     return model.eval()

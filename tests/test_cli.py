@@ -57,6 +57,17 @@ def test_top_level_help_lists_every_command():
         assert command in r.stdout, command
 
 
+def test_help_and_the_sizing_commands_answer_without_importing_torch():
+    # torch takes a second or two to import: `kvpage --help`, `estimate` and `blocks` do not wait for it
+    code = ("import sys; from kvpage.cli import main; main(['estimate', '--model', 'llama-3-8b']); "
+            "main(['blocks', '--histogram', '128:10']); assert 'torch' not in sys.modules")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-c", "import sys; from kvpage.cli import build_parser; build_parser(); "
+                        "assert 'torch' not in sys.modules"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+
+
 def test_estimate_answers_per_tensor_parallel_rank():
     whole = kvpage("estimate", "--model", "llama-3-8b", "--batch", "1", "--max-len", "1024")
     rank = kvpage("estimate", "--model", "llama-3-8b", "--batch", "1", "--max-len", "1024", "-tp", "4")

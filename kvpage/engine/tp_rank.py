@@ -12,17 +12,18 @@ import logging
 import os
 import sys
 
-from kvpage.distributed.group import TPGroup
-from kvpage.distributed.launch import watch_parent
-from kvpage.distributed.rank_runner import serve_steps
-from kvpage.engine.builder import build_shard
-
 log = logging.getLogger("kvpage")
 
 
 def serve_as_rank(rank: int, size: int, addr: str, port: int, device: str = "cpu",
                   timeout_s: float | None = None) -> int:  # fmt: skip
     """Join, take rank 0's config, build this rank's shard, serve its steps until told to stop."""
+    # (torch and the engine are imported here, not at the top: `kvpage --help` builds this command's
+    # parser from add_rank_args below, and a help or `kvpage estimate` should not wait a second for torch)
+    from kvpage.distributed.group import TPGroup
+    from kvpage.distributed.rank_runner import serve_steps
+    from kvpage.engine.builder import build_shard
+
     if device.startswith("cuda"):
         import torch
 
@@ -58,6 +59,8 @@ def run_rank(a: argparse.Namespace) -> int:
     if not 0 < a.rank < a.tensor_parallel_size:
         raise ValueError(f"--rank must be in [1, {a.tensor_parallel_size}) (rank 0 is the engine: kvpage serve)")
     if a.parent_pid is not None:
+        from kvpage.distributed.launch import watch_parent
+
         watch_parent(a.parent_pid)
     logging.basicConfig(level=logging.WARNING, format=f"[rank {a.rank}] %(levelname)s %(message)s")
     if a.threads:
