@@ -25,19 +25,21 @@ test: $(STAMP) test-deps
 # again under every kind below this machine's own, as each kind builds its kernels (-march) and chooses
 # its LinearPolicy and dtype="auto" (nothing to do on an AVX2-only machine): the model against
 # transformers, the kernels, the fused decode, the engine's greedy equivalence, the read budget's and the
-# demoted blocks' attention, deterministic mode (engine and server). The loader, the config and the API
-# tests do not depend on the kind and run once, in `make test`.
+# demoted blocks' attention, deterministic mode. The loader, the config, the API and the server tests do
+# not depend on the kind and run once, in `make test`; so do the tests in these files marked
+# `same_on_every_kind` (parameter checks, the scheduler's part).
 KIND_TESTS := tests/models/test_vs_transformers.py tests/models/test_dtype_choice.py \
 	tests/models/test_dummy_branches.py tests/models/test_weight_quant.py tests/ops \
 	tests/worker/test_fused_decode.py tests/test_cpu_kind.py tests/engine/test_greedy_equivalence.py \
 	tests/attention/test_key_bounds.py tests/engine/test_read_budget.py tests/attention/test_demoted_kv.py \
-	tests/engine/test_deterministic.py tests/server/test_deterministic_server.py
+	tests/engine/test_deterministic.py
 test-kinds: $(STAMP)
 	@kinds=$$($(PY) -c "from kvpage import cpu_kind; print(*cpu_kind.runnable_kinds()[:-1])"); \
 	echo "this machine: $$($(PY) -c "from kvpage import cpu_kind; print(cpu_kind.machine()[0])"); emulated: $${kinds:-none}"; \
 	for kind in $$kinds; do \
 		echo "== KVPAGE_CPU_KIND=$$kind"; \
-		KVPAGE_CPU_KIND=$$kind $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(KIND_TESTS) || exit 1; \
+		KVPAGE_CPU_KIND=$$kind $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile \
+			-m "not same_on_every_kind" $(KIND_TESTS) || exit 1; \
 	done
 
 # The long versions: the scheduler simulation over 20,000 seeded workloads (CI runs 1,000), and SmolLM2

@@ -84,6 +84,7 @@ def test_in_deterministic_mode_a_budget_gives_the_same_bits_in_any_batch_cache_o
     assert_clean(tiny)
 
 
+@pytest.mark.same_on_every_kind  # parameter checks
 def test_bad_budgets_name_the_field():
     with pytest.raises(ParameterError) as e:
         SamplingParams(kv_read_budget=-1)
@@ -110,6 +111,7 @@ def test_bad_budgets_name_the_field():
     assert_clean(bounded)
 
 
+@pytest.mark.same_on_every_kind  # which blocks are registered: the scheduler's part
 def test_tokens_decoded_within_a_budget_are_never_prefix_hits(texts):
     llm = LLM("smollm2", dtype="float32", num_kv_blocks=160, kv_read_budget=0)
     prompt = _prompts(llm, texts)[1]  # 300 tokens: 18 full blocks and 12 tokens
