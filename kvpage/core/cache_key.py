@@ -1,7 +1,8 @@
 """The name of a full block's content: a chain hash, so a block only matches when everything before
 it matches:
 
-    h0 = H(None, tokens[0:B],  extra0)      extra0 holds the request's cache_salt, if any
+    h0 = H(None, tokens[0:B],  extra0)      extra0 holds the request's cache_salt, if any, and the
+                                            KV-cache group past the first (kv_spec.py)
     h1 = H(h0,   tokens[B:2B], ())
     h2 = H(h1,   tokens[2B:3B], ())
 
@@ -33,19 +34,23 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: Extra
     return h.digest()
 
 
-def block_digests(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None):
+def block_digests(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None, group: int = 0):
     """The chain digests of `token_ids`' full blocks, in order (lazily: a lookup may stop early)."""
     parent = None
     for i in range(len(token_ids) // block_size):
-        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys_for(i, cache_salt))
+        chunk = token_ids[i * block_size : (i + 1) * block_size]
+        parent = hash_block(parent, chunk, extra_keys_for(i, cache_salt, group))
         yield parent
 
 
-def extra_keys_for(block_index: int, cache_salt: str | None) -> ExtraKeys:
-    """The salt enters the first block only; the chain carries it into every later block."""
-    if block_index == 0 and cache_salt is not None:
-        return ("salt", cache_salt)
-    return ()
+def extra_keys_for(block_index: int, cache_salt: str | None, group: int = 0) -> ExtraKeys:
+    """The salt and the group enter the first block only; the chain carries them into every later
+    block. Group 0's digests are those of a model with one group (a block of another group holds
+    other layers' KV: never the same content)."""
+    if block_index:
+        return ()
+    salt = ("salt", cache_salt) if cache_salt is not None else ()
+    return (*salt, "group", group) if group else salt
 
 
 @dataclass(slots=True, frozen=True)
