@@ -69,6 +69,7 @@ class BlockBudget:
         NEVER: not even in an empty pool."""
         bs = self.block_size
         total = cdiv(lengths[0], bs) + sum(cdiv(n, bs) - m for n, m in zip(lengths[1:], shared[1:]))
+        total -= prefix.released if prefix is not None else 0  # holes: what the layers' window does not need
         needed = total - len(hits)  # a hit on the CPU tier (or a partial one) takes a new block too
         available = self.available(keep_watermark=keep_watermark, freed=unqueued)
         if total > self.pool.num_total:

@@ -3,9 +3,11 @@
     len(block_ids) == ceil(num_tokens / block_size)        num_tokens: tokens with a slot
     token t  ->  slot block_ids[t // B] * B + t % B        (`slot_mapping`)
 
-An entry is HOLE (None) where an eviction policy released the block (core/eviction/): logical
-indices, and the chain of digests, keep their meaning; only full blocks before the last can be
-holes. A hole whose block was demoted rather than dropped is tagged in `demoted` with the lower
+An entry is HOLE (None) where an eviction policy released the block (core/eviction/), or where
+the layers' own window did (`released` leading entries: a sliding-window or chunked group's blocks
+that no later query reads, kv_spec.py; the KV after them is exact, unlike after a policy's holes):
+logical indices, and the chain of digests, keep their meaning; only full blocks before the last
+can be holes. A hole whose block was demoted rather than dropped is tagged in `demoted` with the lower
 precision and the block of that precision's pool that holds it now (eviction/windows.py). The
 table also remembers the chain digests of its leading full blocks (as far as they were hashed) and
 how many of them were offered to the prefix cache; `on_cpu` says which pool its block
@@ -43,6 +45,7 @@ class BlockTable:
     on_cpu: bool = False
     # logical index -> (precision, block id in that precision's pool): holes kept at a lower precision
     demoted: dict[int, tuple[str, int]] = field(default_factory=dict)
+    released: int = 0  # leading entries the layers' window released (holes no later query reads)
 
     @property
     def resident(self) -> list[int]:
@@ -52,6 +55,11 @@ class BlockTable:
     @property
     def num_holes(self) -> int:
         return self.block_ids.count(HOLE)
+
+    @property
+    def num_evicted_blocks(self) -> int:
+        """Holes an eviction policy made (after them, KV attended to a partial context)."""
+        return self.num_holes - self.released
 
     def slot_mapping(self, block_size: int, start: int, end: int) -> list[int]:
         """Physical slots of tokens [start, end)."""
@@ -89,6 +97,7 @@ class BlockTable:
             block_hashes=self.block_hashes[:num_blocks],
             num_registered=min(self.num_registered, num_blocks),
             demoted={i: d for i, d in self.demoted.items() if i < num_blocks},
+            released=min(self.released, num_blocks),
         )
 
     def remap(self, mapping: dict[int, int], *, on_cpu: bool) -> None:
@@ -142,6 +151,8 @@ def check_tables(tables: dict[Hashable, BlockTable], gpu: BlockPool, cpu: BlockP
         check(len(table.block_ids) == cdiv(n, bs), lambda: f"{seq_id}: table length for {n} tokens")
         check(len(table.block_hashes) <= n // bs, lambda: f"{seq_id}: a digest for a block that is not full")
         check(table.num_registered <= len(table.block_hashes), lambda: f"{seq_id}: registered beyond its digests")
+        check(all(b is None for b in table.block_ids[: table.released]) and table.released <= n // bs,
+              lambda: f"{seq_id}: a block the window released is held, or a partial one released")  # fmt: skip
         chain = list(table.block_hashes)  # what each full block's digest must be, as far as known
         tokens = token_ids.get(seq_id) if token_ids is not None else None
         if tokens is not None:  # the chain digests must be those of the request's tokens

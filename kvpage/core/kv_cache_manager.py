@@ -19,6 +19,10 @@ What the scheduler calls (plain data in, plain data out):
 
 The manager owns blocks, not tokens: token ids belong to the request and are passed in where content
 matters (hashing a full block). A table grows one block at a time; nothing is reserved ahead.
+
+`layer_spec` (kv_spec.py) is what the model's layers read: full attention, or a sliding window or
+chunks, whose blocks no later query reads are released after each step (layer_window.py) and whose
+prefix hits need only the blocks a resumed sequence reads (prefix_registry.py).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from kvpage.core.block_table import BlockTable, SlotAllocation, check_tables, gr
 from kvpage.core.cache_stats import CacheStats, collect_stats
 from kvpage.core.eviction import NO_EVICTION, EvictionPolicy, EvictionWindows
 from kvpage.core.invariants import InvariantError, check_all
+from kvpage.core.kv_spec import FULL, FullAttention, LayerSpec, needed_from
+from kvpage.core.layer_window import check_window, release_behind
 from kvpage.core.memory_map import MemoryMap, block_states, table_map
 from kvpage.core.prefix_cache import PrefixCache
 from kvpage.core.prefix_registry import CachedPrefix, PrefixRegistry, TierTransfers
@@ -69,12 +75,14 @@ class KVCacheManager:
         num_tier_blocks: int = 0,  # the CPU tier of the prefix cache (prefix caching only)
         remote: RemoteTier | None = None,  # the shared tier below it (its blocks land in the CPU tier)
         cold_blocks: Mapping[str, int] | None = None,  # pools of lower precisions, for demoting policies
+        layer_spec: LayerSpec = FULL,  # what the layers read (kv_spec.py)
     ) -> None:
         self.block_size = block_size
+        self.layer_spec = layer_spec
         self.bytes_per_block = bytes_per_block
         self.pool = BlockPool(num_blocks, block_size, PrefixCache() if enable_prefix_caching else None)
         self.budget = BlockBudget(self.pool, block_size, watermark)
-        self.prefix = PrefixRegistry(self.pool, block_size, num_tier_blocks, remote)
+        self.prefix = PrefixRegistry(self.pool, block_size, num_tier_blocks, remote, layer_spec)
         self.swap = SwapSpace(num_cpu_blocks, self.pool)
         self.eviction = EvictionWindows(self.pool, block_size, cold_blocks)
         self._tables: dict[SeqId, BlockTable] = {}
@@ -190,8 +198,16 @@ class KVCacheManager:
             raise ValueError("a request needs at least one sequence of at least one token")
         lead = token_lists[0]
         prefix = self.prefix.find(lead, cache_salt) if use_prefix_cache else CachedPrefix([], [], 0, 0, cache_salt)
-        shared = self.budget.shared_with_lead(token_lists)
+        shared = [self._shareable(m, prefix.released) for m in self.budget.shared_with_lead(token_lists)]
         return self._plan([len(t) for t in token_lists], shared, prefix, keep_watermark)
+
+    def _shareable(self, m: int, released: int) -> int:
+        """Leading blocks of the lead a sibling may share: under a window, only where the blocks it
+        then reads are not the lead's holes (else it computes its prompt from the start)."""
+        if not m or isinstance(self.layer_spec, FullAttention):
+            return m
+        bs = self.block_size
+        return m if m > released and needed_from(self.layer_spec, m * bs, bs) >= released else 0
 
     def _plan(self, lengths: list[int], shared: list[int], prefix: CachedPrefix, keep_watermark: bool, *,
               may_drop_partial: bool = True) -> Admission:  # fmt: skip
@@ -229,6 +245,7 @@ class KVCacheManager:
         grow(table, self.pool, len(lead_tokens) - table.num_tokens)
         for seq_id, tokens, m in zip(seq_ids[1:], token_lists[1:], adm.shared_blocks[1:], strict=True):
             self.fork(lead, seq_id, num_blocks=m)
+            release_behind(self._tables[seq_id], self.layer_spec, m * self.block_size, self.pool)
             grow(self._tables[seq_id], self.pool, len(tokens) - m * self.block_size)
         return copies
 
@@ -305,6 +322,7 @@ class KVCacheManager:
         self.commit()
         for seq_id, num_computed, mass in computed:
             if seq_id in self._tables:
+                release_behind(self._tables[seq_id], self.layer_spec, num_computed, self.pool)
                 self.evict(seq_id, num_computed, mass)
 
     def fail_step(self) -> None:
@@ -355,9 +373,14 @@ class KVCacheManager:
 
     def _start(self, seq_id: SeqId, prefix: CachedPrefix | None,
                policy: EvictionPolicy) -> tuple[BlockTable, list[tuple[int, int]]]:  # fmt: skip
+        policy = policy or NO_EVICTION
+        if policy.evicts and not isinstance(self.layer_spec, FullAttention):
+            raise ValueError(f"kv_eviction={policy.describe()!r} does not go with layers that read a "
+                             f"{self.layer_spec.describe()}: they release what they no longer read")  # fmt: skip
         table, copies = self.prefix.take(prefix)
+        release_behind(table, self.layer_spec, table.num_tokens, self.pool)  # what a partial hit resumes past
         self._tables[seq_id] = table
-        self.eviction.open(seq_id, policy or NO_EVICTION)
+        self.eviction.open(seq_id, policy)
         return table, copies
 
     # ------------------------------------------------------------------ lifetime
@@ -376,8 +399,11 @@ class KVCacheManager:
             if not 0 <= num_blocks <= parent.num_tokens // bs:
                 raise ValueError(f"cannot share {num_blocks} full blocks of a sequence of {parent.num_tokens} tokens")
             num_tokens = num_blocks * bs
-        if num_blocks and parent.block_ids[num_blocks - 1] is None:
-            raise ValueError(f"cannot share {num_blocks} blocks: the last of them was evicted")
+            if isinstance(self.layer_spec, FullAttention):
+                if num_blocks and parent.block_ids[num_blocks - 1] is None:
+                    raise ValueError(f"cannot share {num_blocks} blocks: the last of them was evicted")
+            elif any(b is None for b in parent.block_ids[needed_from(self.layer_spec, num_tokens, bs) : num_blocks]):
+                raise ValueError(f"cannot share {num_blocks} blocks: the window reads one that was released")
         child = parent.share(num_blocks, num_tokens)
         copies = self.eviction.fork(parent_id, child_id, parent, child)
         for b in child.resident + copies:
@@ -453,6 +479,11 @@ class KVCacheManager:
             lambda: self.eviction.check_invariants(tables),
             lambda: check_tables(self._tables, self.pool, self.swap.pool, self.block_size, token_ids),
         ])  # fmt: skip
+
+    def check_window(self, seq_id: SeqId, num_computed: int) -> None:
+        """Between steps, a sequence with `num_computed` tokens computed holds no block its layers'
+        window no longer reads, and no more than the window's bound (layer_window.py)."""
+        check_window(seq_id, self._table(seq_id), self.layer_spec, num_computed, self.block_size)
 
     # ------------------------------------------------------------------ helpers
     def _table(self, seq_id: SeqId) -> BlockTable:

@@ -29,6 +29,12 @@ offloaded to the CPU tier.
 
 Blocks a step registers go to the shared tier after that step's forward (`take_transfers`'
 write-through list), announced at commit.
+
+The layers' window (kv_spec.py, layer_window.py): for a sliding-window or chunked spec a hit needs
+only the blocks later queries read, so `find` looks every servable block up and takes the longest
+prefix it can resume after (`longest_hit`, searched from the right): the entries before the blocks
+it needs are holes of the new table (`CachedPrefix.released`), hit or not. Such a lookup asks
+nothing of the shared tier.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from kvpage.core.commit_ledger import CommitLedger
 from kvpage.core.cpu_tier import CpuTier
 from kvpage.core.invariants import check
 from kvpage.core.kv_events import GPU, KVEventLog
+from kvpage.core.kv_spec import FULL, FullAttention, LayerSpec, longest_hit, needed_from
 from kvpage.core.prefix_cache import PrefixCache
 from kvpage.core.remote_fetch import RemoteFetches
 from kvpage.core.remote_tier import RemoteTier
@@ -71,6 +78,7 @@ class CachedPrefix:
     tier_block_ids: dict[int, int] = field(default_factory=dict)  # index -> tier block
     partial: PartialHit | None = None
     awaiting_fetch: bool = False  # the rest was asked of the shared tier: worth waiting a step for
+    released: int = 0  # leading entries the layers' window does not need (holes of the new table)
 
 
 @dataclass(slots=True)
@@ -84,10 +92,10 @@ class TierTransfers:
 
 
 class PrefixRegistry:
-    def __init__(
-        self, pool: BlockPool, block_size: int, num_tier_blocks: int = 0, remote: RemoteTier | None = None
-    ) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, num_tier_blocks: int = 0, remote: RemoteTier | None = None,
+                 spec: LayerSpec = FULL) -> None:  # fmt: skip
         self.pool = pool
+        self.spec = spec
         self.cache: PrefixCache | None = pool.prefix_cache  # None: prefix caching is off
         self.block_size = block_size
         self.events = KVEventLog(block_size)  # what this cache holds, announced as it changes (kv_events.py)
@@ -131,6 +139,11 @@ class PrefixRegistry:
             return prefix
         bs = self.block_size
         servable = token_ids[: max(0, len(token_ids) - 1) // bs * bs]  # the same digests a fleet router computes
+        if not isinstance(self.spec, FullAttention):
+            self._find_window(prefix, servable, cache_salt)
+            self._find_partial(prefix, token_ids)
+            prefix.num_tokens = len(prefix.block_ids) * bs + (prefix.partial.num_tokens if prefix.partial else 0)
+            return prefix  # (a partial hit may let the new table release more: the manager's `_start`)
         digests = block_digests(servable, bs, cache_salt)
         for i, digest in enumerate(digests):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
@@ -150,6 +163,25 @@ class PrefixRegistry:
         self._find_partial(prefix, token_ids)
         prefix.num_tokens = len(prefix.block_ids) * bs + (prefix.partial.num_tokens if prefix.partial else 0)
         return prefix
+
+    def _find_window(self, prefix: CachedPrefix, servable: Sequence[int], cache_salt: str | None) -> None:
+        """`find` for a window's spec: every block looked up, the longest resumable prefix taken."""
+        bs, found = self.block_size, []
+        digests = list(block_digests(servable, bs, cache_salt))
+        for i, digest in enumerate(digests):
+            chunk = tuple(servable[i * bs : (i + 1) * bs])
+            block = self.cache.lookup(digest, chunk)  # type: ignore[union-attr]
+            found.append(("gpu", block.block_id) if block is not None else None)
+            if block is None and (tier_block := self.tier.lookup(digest, chunk)) is not None:
+                found[-1] = ("tier", tier_block)
+        k = longest_hit(self.spec, [f is not None for f in found], bs)
+        prefix.released = needed_from(self.spec, k * bs, bs)
+        prefix.block_hashes = digests[:k]
+        for i in range(k):
+            where, b = found[i] if i >= prefix.released else (None, None)  # type: ignore[misc]
+            prefix.block_ids.append(b if where == "gpu" else None)
+            if where == "tier":
+                prefix.tier_block_ids[i] = b
 
     def resident_chain(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
         """The GPU blocks that hold the leading full blocks of `token_ids` as a prompt of its own
@@ -201,6 +233,8 @@ class PrefixRegistry:
             return []
         blocks = []
         for i, (b, digest) in enumerate(zip(prefix.block_ids, prefix.block_hashes, strict=True)):
+            if i < prefix.released:  # a hole of the new table: not needed
+                continue
             if i in prefix.tier_block_ids:
                 fresh = self.tier.holds(prefix.tier_block_ids[i], digest)
             else:
@@ -258,7 +292,8 @@ class PrefixRegistry:
         if self.cache is not None and prefix.num_query_tokens:
             self.cache.num_query_tokens += prefix.num_query_tokens
             self.cache.num_hit_tokens += prefix.num_tokens
-        table = BlockTable(block_ids, prefix.num_tokens, prefix.cache_salt, list(prefix.block_hashes), n)
+        table = BlockTable(block_ids, prefix.num_tokens, prefix.cache_salt, list(prefix.block_hashes), n,
+                           released=prefix.released)  # fmt: skip
         return table, copies
 
     def unpin(self, block_ids: Iterable[int]) -> None:
@@ -284,8 +319,9 @@ class PrefixRegistry:
     def register(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int) -> None:
         """The KV of the table's first `num_tokens` tokens is written (or is being written by the step
         now scheduled): register its full blocks as hits. Not for a table with holes (its later KV
-        attended to a partial context) or on the CPU pool."""
-        if self.cache is None or table.on_cpu or table.num_holes:
+        attended to a partial context) or on the CPU pool. The layers' window's holes are skipped
+        (their digests still chain)."""
+        if self.cache is None or table.on_cpu or table.num_evicted_blocks:
             return
         bs, num_full = self.block_size, num_tokens // self.block_size
         for i in range(table.num_registered, num_full):
@@ -293,8 +329,10 @@ class PrefixRegistry:
             parent = table.block_hashes[i - 1] if i else None
             if i == len(table.block_hashes):
                 table.block_hashes.append(hash_block(parent, chunk, extra_keys_for(i, table.cache_salt)))
+            if table.block_ids[i] is None:  # released by the window before it was offered
+                continue
             key = CacheKey(table.block_hashes[i], parent, chunk, extra_keys_for(i, table.cache_salt))
-            self._register(self.pool.blocks[table.block_ids[i]], key)  # type: ignore[index]
+            self._register(self.pool.blocks[table.block_ids[i]], key)
         table.num_registered = max(table.num_registered, num_full)
 
     def register_tail(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
@@ -303,7 +341,7 @@ class PrefixRegistry:
         holds it alone, is registered under its leading tokens, as a source of partial hits."""
         bs, i = self.block_size, num_computed // self.block_size
         n = num_computed - i * bs
-        if self.cache is None or table.on_cpu or table.num_holes or not n or i >= len(table.block_ids):
+        if self.cache is None or table.on_cpu or table.num_evicted_blocks or not n or i >= len(table.block_ids):
             return
         if not i == len(table.block_hashes) == table.num_registered:  # (e.g. just swapped in: not offered yet)
             return

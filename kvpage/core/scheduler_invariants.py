@@ -41,4 +41,5 @@ def check_scheduler(kv: KVCacheManager, requests: Mapping[str, Request], running
                 check(kv.is_swapped(seq.key) == (req.status is RequestStatus.SWAPPED), lambda: f"{seq.key}: pool")
                 n = kv.num_tokens(seq.key)
                 check(seq.num_computed <= n <= len(seq.token_ids), lambda: f"{seq.key}: {n} slots")
+                kv.check_window(seq.key, seq.num_computed)
     check(held == set(kv.seq_ids()), "the manager holds sequences no request owns")

@@ -10,10 +10,12 @@ random and aborts requests. Some workloads give requests an eviction policy (Str
 Demote, with pools of lower precisions: the worker makes the step's demotions first of all, then the
 swaps, copies, sink rotations and a prompt's segment copies, in its own order) and H2O's attention
 mass at random; some send documents, then prompts made of them as segments (core/segments.py), whose
-cached KV is copied slot by slot instead of computed. After every step it checks:
+cached KV is copied slot by slot instead of computed. Some run on layers that read a sliding window or
+chunks (kv_spec.py): the manager releases what no later query reads. After every step it checks:
 
     the scheduler raised nothing;  check_invariants() holds;  every context read back is the
-    sequence's own tokens (those of its resident blocks, then of its demoted ones);  a step with
+    sequence's own tokens (those of its resident blocks, then of its demoted ones), every key its
+    layers' window reads among them;  a step with
     work left made progress (tokens, swaps, or an ending) within a few steps;  a request fails only
     with a reason and only when it really cannot fit
 
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from kvpage.core.block import cdiv
 from kvpage.core.eviction import H2O, Demote, EvictionPolicy, StreamingLLM
 from kvpage.core.kv_cache_manager import KVCacheManager
+from kvpage.core.kv_spec import FULL, ChunkedLocal, LayerSpec, SlidingWindow
 from kvpage.core.request import Request
 from kvpage.core.scheduler import Scheduler
 from kvpage.core.scheduler_output import SchedulerOutput
@@ -84,6 +87,7 @@ class Workload:
     # segments (lengths of the prompt's segments), recompute_blocks, recompute_ratio
     requests: list[dict] = field(default_factory=list)
     cold_blocks: dict[str, int] = field(default_factory=dict)  # pools of the precisions Demote demotes to
+    layer_spec: LayerSpec = FULL  # what the layers read (a window or chunks: the manager releases blocks)
 
 
 def make_workload(seed: int) -> Workload:
@@ -122,6 +126,7 @@ def make_workload(seed: int) -> Workload:
             )
         )
     _add_features(w, random.Random(seed * 104729 + 17))
+    _add_layer_window(w, random.Random(seed * 15485863 + 5))
     # a pool most requests fit alone, but not all together: preemption is the rule, not the exception
     need = [r["width"] * cdiv(len(r["prompt"]) + r["max_tokens"], bs) for r in w.requests]
     w.num_blocks = rng.randint(max(3, min(need)), max(4, max(need), sum(need) // 2))
@@ -170,6 +175,14 @@ def _add_features(w: Workload, rng: random.Random) -> None:
             ))  # fmt: skip
 
 
+def _add_layer_window(w: Workload, rng: random.Random) -> None:
+    """For some workloads without eviction policies or segments: layers that read a sliding window
+    or chunks of a few blocks (their own stream: the other workloads stay what they were)."""
+    if rng.random() < 0.3 and not any(r.get("eviction") or r.get("segments") for r in w.requests):
+        reach = rng.randint(1, 3 * w.block_size)
+        w.layer_spec = SlidingWindow(reach) if rng.random() < 0.6 else ChunkedLocal(reach)
+
+
 @dataclass(slots=True)
 class _ReqSim:
     spec: dict
@@ -188,6 +201,7 @@ class Simulation:
             enable_prefix_caching=w.enable_prefix_caching,
             watermark=w.watermark,
             cold_blocks=w.cold_blocks,
+            layer_spec=w.layer_spec,
         )
         self.sched = Scheduler(
             self.kv,
@@ -319,6 +333,9 @@ class Simulation:
             seen = [self.gpu.get(s.block_table[p // bs] * bs + p % bs) for p in range(s.kv_len)]
             if seen != want:
                 raise self.fail(f"{s.seq_id} attends to {seen}, not its tokens {want}")
+            first = self.w.layer_spec.first_visible(s.num_computed)  # the step's first query reads from here
+            if self.w.layer_spec is not FULL and s.num_evicted > first // bs * bs:
+                raise self.fail(f"{s.seq_id} lost keys its window reads: {s.num_evicted} missing, reads from {first}")
             if len(s.cold_blocks) != len(demoted):
                 raise self.fail(f"{s.seq_id} attends to demoted blocks {s.cold_blocks}, not its {demoted}")
             for (p, b), i in zip(s.cold_blocks, sorted(demoted), strict=True):

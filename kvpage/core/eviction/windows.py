@@ -241,7 +241,7 @@ class EvictionWindows:
                                                                         for p, _ in table.demoted.values())),
                   lambda: f"{seq_id}: a demoted block outside its policy's ladder")  # fmt: skip
             n, win = table.num_tokens, self._windows.get(seq_id)
-            holes = [i for i, b in enumerate(table.block_ids) if b is HOLE]
+            holes = [i for i, b in enumerate(table.block_ids) if b is HOLE and i >= table.released]  # a policy's
             check(not holes or win is not None, lambda: f"{seq_id}: a hole without an eviction policy")
             check(
                 all(i < min(n // bs, len(table.block_ids) - 1) for i in holes), lambda: f"{seq_id}: a hole at the end"
