@@ -45,6 +45,7 @@ class Setup:
     read_budget: int = 0  # tokens a decode reads (a request's own, else the engine's; 0: every block)
     segments: bool = False  # a prompt of segments (engine/segment_prompts.py)
     recompute_ratio: float = 0.0  # CacheBlend's share (segments)
+    window: int = 0  # the model's layers read a sliding window of this many keys (known once it is loaded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,7 @@ NO_KEY_BOUNDS = Feature("no key bounds", lambda s: not s.key_bounds, {"key_bound
 READ_BUDGET = Feature("a read budget", lambda s: s.read_budget > 0, {"read_budget": 64, "key_bounds": True})
 SEGMENTS = Feature("a prompt of segments", lambda s: s.segments, {"segments": True})
 RECOMPUTE_RATIO = Feature("selective recompute", lambda s: s.recompute_ratio > 0, {"recompute_ratio": 0.3})
+WINDOW = Feature("a sliding-window model", lambda s: s.window > 0, {"window": 4096})
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +152,15 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(DETERMINISTIC, TP_OVER_2, "tensor_parallel_size",
             lambda s: f"deterministic=True goes with tensor_parallel_size up to 2 on CPU, got {s.tensor_parallel}: "
                       "a ring all-reduce of 3+ ranks sums in an order that depends on the batch's size"),
+    Refusal(EVICTS, WINDOW, "kv_eviction",
+            lambda s: f"kv_eviction {s.eviction.describe()} does not go with a model whose layers read a sliding "
+                      f"window of {s.window} tokens: the cache releases what falls behind the window already"),
+    Refusal(KEY_BOUNDS, WINDOW, "kv_read_budget",
+            lambda s: f"kv_read_budget does not go with a sliding-window model (window {s.window}) yet"),
+    Refusal(SEGMENTS, WINDOW, "segments",
+            lambda s: f"a prompt of segments does not go with a sliding-window model (window {s.window}) yet"),
+    Refusal(DETERMINISTIC, WINDOW, "deterministic",
+            _det(lambda s: f"a sliding-window model (window {s.window}): its attention takes the torch path")),
     Refusal(TENSOR_PARALLEL, VERIFY_KV_DET, "verify_kv_every",
             lambda s: "tensor_parallel_size > 1 does not go with verify_kv_every under deterministic (the check "
                       "recomputes prefixes on rank 0 alone)"),

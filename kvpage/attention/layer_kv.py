@@ -37,6 +37,9 @@ class LayerKV:
     k_max: torch.Tensor | None = None
     # the pools of demoted blocks of this layer, by precision (core/eviction: Demote); None: none
     cold: dict | None = None
+    # the keys a query reads, its own included (a sliding-window layer, core/kv_spec.py); 0: all. In a
+    # table's coordinates too: the blocks the window released are whole leading ones (layer_window.py)
+    window: int = 0
 
     @property
     def quantized(self) -> bool:

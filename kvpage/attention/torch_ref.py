@@ -21,6 +21,10 @@ table's keys ahead of them, unmasked (all precede its queries). H2O's attention 
 meta.reads.mass) comes from here: decodes sum the probabilities they compute anyway per block; a
 prefill chunk that wants it is attended with explicit scores instead of the fused SDPA, which does
 not return them. A decode within a read budget (BOUNDED) reads the blocks key_bounds.py chooses.
+
+A sliding-window layer (`kv.window` = W) masks every key W or more positions behind its query, as
+transformers does; positions in the table serve, since what the window released is whole leading
+blocks (core/layer_window.py).
 """
 
 from __future__ import annotations
@@ -105,7 +109,7 @@ class TorchReferenceBackend:
                 self._explicit(out[i : i + 1], q[i : i + 1], None, None, kv, meta, i, scale)
             return
         for rows, max_len, bias in meta.decode_groups:
-            out[rows] = self._decode_group(q[rows], rows, max_len, bias, kv, meta, scale)
+            out[rows] = self._decode_group(q[rows], rows, max_len, _windowed(bias, rows, kv, meta), kv, meta, scale)
 
     def _decodes_within_budget(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
         """Each decode over the blocks its read budget chooses, per kv head (key_bounds.py): the
@@ -157,7 +161,7 @@ class TorchReferenceBackend:
         # 4-D inputs ([1, heads, tokens, d]): torch's fused CPU kernel takes those, and is 3-4x
         # faster than the generic path that 3-D inputs fall back to.
         qi = q.transpose(0, 1)[None]
-        if q.shape[0] == n:  # no earlier context: the chunk's own K/V are all the keys
+        if q.shape[0] == n and not (kv.window and n > kv.window):  # no earlier context: its own K/V are all the keys
             ki, vi = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
@@ -166,6 +170,8 @@ class TorchReferenceBackend:
             vi = gather_kv(kv.v, table, n, kv.v_scale, q.dtype)[None]
             pos_q = torch.arange(n - q.shape[0], n, device=q.device)
             mask = torch.arange(n, device=q.device)[None, :] <= pos_q[:, None]  # [q, n]
+            if kv.window:
+                mask &= torch.arange(n, device=q.device)[None, :] > pos_q[:, None] - kv.window
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
         out.copy_(o[0].transpose(0, 1))
 
@@ -190,6 +196,11 @@ class TorchReferenceBackend:
         qh = q.view(m, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * m, d)
         scores = torch.bmm(qh, keys.transpose(1, 2)).float().mul_(scale).view(kv_heads, group, m, c + n)
         visible = torch.arange(-c, n, device=q.device)[None, :] <= torch.arange(n - m, n, device=q.device)[:, None]
+        if kv.window:
+            visible &= (
+                torch.arange(-c, n, device=q.device)[None, :]
+                > torch.arange(n - m - kv.window, n - kv.window, device=q.device)[:, None]
+            )
         probs = scores.masked_fill_(~visible, float("-inf")).softmax(-1)
         if meta.reads.wants_mass(i):
             nb = cdiv(n, bs)
@@ -229,3 +240,12 @@ class TorchReferenceBackend:
                 meta.reads.mass[:, :nb].index_add_(0, rows, probs.sum(1).view(n, nb, bs).sum(-1))
             out[:, h] = torch.bmm(probs.to(q.dtype), values)
         return out.view(n, -1, d)
+
+
+def _windowed(bias: torch.Tensor, rows: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+    """A decode group's bias, with the keys behind a sliding-window layer's window masked too."""
+    if not kv.window:
+        return bias
+    lens = torch.tensor([meta.seq_lens_list[r] for r in rows.tolist()], device=bias.device)
+    behind = torch.arange(bias.shape[-1], device=bias.device)[None, None, :] <= (lens - 1 - kv.window)[:, None, None]
+    return bias.masked_fill(behind, float("-inf"))

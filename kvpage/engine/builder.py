@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpage import compat
 from kvpage.config import EngineConfig
 from kvpage.core import KVCacheManager
 from kvpage.core.remote_tier import RemoteTier
@@ -131,6 +132,7 @@ def build_shard(config: EngineConfig, group=None) -> ShardParts:
     try:
         loaded = load_model(config.model, dtype=dtype, device=config.device, backend=config.attention_backend,
                             weight_dtype=config.weight_dtype, shard=shard, comm=group)  # fmt: skip
+        compat.check(config.setup(window=loaded.config.sliding_window or 0))  # what the model brings
         if config.deterministic:
             make_batch_invariant(loaded.model)
         local = loaded.model.config  # this rank's heads: its KV is 1/N of the whole (times any replication)
@@ -188,12 +190,13 @@ def _build(config: EngineConfig, group) -> EngineParts:
         kernels += f"; tensor parallel over {group.size} ranks ({group.backend})"
     block_size, per_block, num_blocks, cold = config.block_size, shard.per_block, shard.num_blocks, shard.cold
     num_cpu_blocks, num_tier_blocks = shard.num_cpu_blocks, shard.num_tier_blocks
-    max_model_len = _max_model_len(config, loaded.config.max_position_embeddings, num_blocks, block_size)
+    windowed = loaded.config.layer_spec.kind != "full"
+    max_model_len = _max_model_len(config, loaded.config.max_position_embeddings, num_blocks, block_size, windowed)
     remote = shard.remote
     kv_manager = KVCacheManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                 enable_prefix_caching=config.enable_prefix_caching, watermark=config.watermark,
                                 bytes_per_block=per_block, num_tier_blocks=num_tier_blocks,
-                                remote=remote, cold_blocks=cold)  # fmt: skip
+                                remote=remote, cold_blocks=cold, layer_spec=loaded.config.layer_spec)  # fmt: skip
     scheduler = Scheduler(kv_manager, max_num_seqs=config.max_num_seqs,
                           max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                           preemption_mode=config.preemption_mode)  # fmt: skip
@@ -254,12 +257,14 @@ def _demoted_pools(config: EngineConfig, cfg: ModelConfig, per_block: int, num_b
     return (memory - sum(cold[p] * c for p, c in on_device.items())) // per_block, cold
 
 
-def _max_model_len(config: EngineConfig, context: int, num_blocks: int, block_size: int) -> int:
+def _max_model_len(config: EngineConfig, context: int, num_blocks: int, block_size: int, windowed: bool) -> int:
+    """`windowed`: the layers read a window, so a sequence holds its window's blocks, whatever its length
+    (a prompt still needs its blocks at once: one longer than the pool fails alone)."""
     capacity = num_blocks * block_size
-    max_model_len = config.max_model_len or min(context, capacity)
+    max_model_len = config.max_model_len or (context if windowed else min(context, capacity))
     if max_model_len > context:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context length {context}")
-    if max_model_len > capacity and not config.kv_eviction.evicts:  # (evicting requests stay within their budget)
+    if max_model_len > capacity and not config.kv_eviction.evicts and not windowed:  # (within their budget)
         raise ValueError(
             f"max_model_len={max_model_len} exceeds the KV cache's capacity of {capacity} tokens "
             f"({num_blocks} blocks of {block_size}); raise kv_cache_memory / num_kv_blocks or lower max_model_len"

@@ -114,7 +114,8 @@ class LLMEngine:
         budget = self.config.kv_read_budget if params.kv_read_budget is None else params.kv_read_budget
         pools = bool(self.kv_manager.eviction.cold)
         compat.check(self.config.setup(eviction=eviction, demote_pools=pools, read_budget=budget or 0,
-                                       segments=bool(spans), recompute_ratio=ratio))  # fmt: skip
+                                       segments=bool(spans), recompute_ratio=ratio,
+                                       window=self.model_config.sliding_window or 0))  # fmt: skip
         if budget:
             check_budget(budget, self.kv_cache.block_size)
         want_plp = not is_beam and params.prompt_logprobs is not None

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpage.core.kv_bytes import kv_bytes_per_token
+from kvpage.core.kv_spec import FULL, LayerSpec, SlidingWindow
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -29,6 +30,7 @@ class ModelConfig:
     architecture: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    sliding_window: int | None = None  # every layer reads the last `sliding_window` keys (Mistral)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -37,9 +39,16 @@ class ModelConfig:
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.sliding_window is not None:
+            SlidingWindow(self.sliding_window)  # a bad value names itself
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+
+    @property
+    def layer_spec(self) -> LayerSpec:
+        """What every layer reads (core/kv_spec.py): its window, or everything."""
+        return SlidingWindow(self.sliding_window) if self.sliding_window else FULL
 
     def kv_bytes_per_token(self, kv_dtype: str) -> int:
         """Bytes of one token's KV cache in `kv_dtype` ("float32", "bfloat16", "int8", "fp8", ...):
@@ -50,7 +59,11 @@ class ModelConfig:
     def to_hf(self) -> dict[str, Any]:
         """A Hugging Face config.json that `from_hf` (and transformers) read back as this config."""
         hf = {
-            "architectures": ["Qwen2ForCausalLM" if self.architecture == "qwen2" else "LlamaForCausalLM"],
+            "architectures": [
+                {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
+                    self.architecture, "LlamaForCausalLM"
+                )
+            ],
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -68,6 +81,8 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else self.eos_token_ids or None,
         }
+        if self.architecture == "mistral":
+            hf["sliding_window"] = self.sliding_window
         return hf
 
     @classmethod
@@ -90,9 +105,8 @@ class ModelConfig:
         if model_type == "qwen2" and hf.get("use_sliding_window"):
             raise ValueError("Qwen2 with use_sliding_window=true is not supported")
         max_len = hf.get("max_position_embeddings", 2048)
-        if model_type == "mistral" and hf.get("sliding_window"):
-            # Within the window, sliding-window attention is plain causal attention; never go past it.
-            max_len = min(max_len, hf["sliding_window"])
+        # Mistral reads a window on every layer: the KV-cache manager releases what falls behind it
+        window = hf.get("sliding_window") if model_type == "mistral" else None
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -110,4 +124,5 @@ class ModelConfig:
             architecture=model_type,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=[] if eos is None else (list(eos) if isinstance(eos, list) else [eos]),
+            sliding_window=window or None,
         )

@@ -59,6 +59,8 @@ class FusedDecode:
         path = decodes_path(meta, not meta.reads.empty and any(kv.bounded for kv in kv_caches))
         if meta.num_decodes != meta.num_seqs or path not in (DENSE, BOUNDED) or not self.applies_to(self.model):
             return None  # (H2O's mass, demoted blocks: the reference, layer by layer)
+        if any(kv.window for kv in kv_caches):
+            return None  # (a sliding window: the reference masks it)
         budgets = meta.reads.budgets if path == BOUNDED else None  # blocks each decode reads (key_bounds.py)
         if x.dtype not in KERNEL_DTYPES:
             return None

@@ -68,6 +68,8 @@ class KVCache:
                       for _ in range(cfg.num_layers)]  # fmt: skip
             for layer in layers[DENSE_LAYERS:] if key_bounds else []:
                 layer.keep_bounds()
+            for layer in layers:
+                layer.window = cfg.sliding_window or 0
             return layers
 
         self.layers = pool(num_blocks, device)

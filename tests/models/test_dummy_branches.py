@@ -1,5 +1,6 @@
-"""Branches the real model does not take (no GQA, q/k/v bias, RoPE scaling), checked against
-transformers on small random models saved as Hugging Face directories and read by our loader."""
+"""Branches the real model does not take (no GQA, q/k/v bias, RoPE scaling, a sliding window on every
+layer), checked against transformers on small random models saved as Hugging Face directories and read
+by our loader. The window (8 keys) is far shorter than the prompts: every chunk and decode crosses it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ CASES = {
     "llama-mha": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=4)),
     "llama-mqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)),
     "qwen2-bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "mistral-window": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8)),
     "rope-linear": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
                                         rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0})),
     "rope-llama3": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters=LLAMA3)),
@@ -44,6 +46,7 @@ def test_config_branches_are_read(pair):
     assert (cfg.num_kv_heads == cfg.num_heads) == (name == "llama-mha")
     assert cfg.tie_word_embeddings == (name == "llama-mqa")
     assert ((cfg.rope_scaling or {}).get("rope_type")) == {"rope-linear": "linear", "rope-llama3": "llama3"}.get(name)
+    assert cfg.sliding_window == (8 if name == "mistral-window" else None)
 
 
 def test_logits_over_a_ragged_batch_match_transformers(pair):

@@ -1,0 +1,97 @@
+"""A Mistral-style model, every layer reading a sliding window of 32 keys (16-token blocks), through the
+engine: greedy tokens equal transformers' on prompts shorter and far longer than the window, while each
+sequence holds no more blocks than the window needs (core/layer_window.py); prefix hits resume past
+released blocks; preemption by recompute or swap in a tiny pool changes nothing. A tiny random model
+(saved as a Hugging Face directory with SmolLM2's tokenizer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpage import LLM, SamplingParams
+from kvpage.core.kv_spec import SlidingWindow, max_live_blocks
+from kvpage.errors import ParameterError
+from kvpage.models.config import ModelConfig
+from kvpage.models.loader import save_dummy_model
+from tests.engine.helpers import assert_clean
+
+W, BS = 32, 16
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory, smollm2):
+    cfg = ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=4096, architecture="mistral",
+                      sliding_window=W, bos_token_id=1, eos_token_ids=[2])  # fmt: skip
+    path = save_dummy_model(tmp_path_factory.mktemp("mistral"), cfg, smollm2.tokenizer, seed=0, scale=5.0)
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf.config.sliding_window == W and type(hf).__name__ == "MistralForCausalLM"
+    return str(path), hf
+
+
+def _want(hf, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+PROMPTS = [list(range(100, 120)), [(i * 7) % 5000 + 3 for i in range(90)], [(i * 13) % 3000 + 5 for i in range(61)]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def test_greedy_equals_transformers_and_each_sequence_holds_only_its_window(mistral):
+    path, hf = mistral
+    llm = LLM(path, dtype="float32", num_kv_blocks=64, block_size=BS)
+    kv = llm.llm_engine.kv_manager
+    assert kv.layer_spec == SlidingWindow(W) and llm.llm_engine.model_config.max_position_embeddings == 4096
+    held, step = [], llm.llm_engine.step
+
+    def recording_step():
+        out = step()
+        held.append(max((len(kv._table(s).resident) for s in kv.seq_ids()), default=0))
+        return out
+
+    llm.llm_engine.step = recording_step
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        llm.llm_engine.step = step
+    assert got == [_want(hf, p, 40) for p in PROMPTS]
+    # after the prompts' step, a decoding sequence holds at most ceil(32 / 16) + 1 blocks
+    assert max(held[1:]) <= max_live_blocks(SlidingWindow(W), BS) == 3
+    # the 90-token prompt again: its first blocks were released, the blocks of its last window are still
+    # cached: 5 full blocks hit and the first 9 tokens of the next copied (all but the last token)
+    again = llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 89 and list(again.outputs[0].token_ids) == got[1]
+    assert_clean(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_in_a_tiny_pool_changes_nothing(mistral, mode):
+    path, hf = mistral
+    kw = dict(swap_space="16MiB") if mode == "swap" else {}
+    # 8 blocks of 16: 128 tokens, less than the 90-token prompt and its 60 tokens (a window's sequence
+    # holds its window only, so the pool does not cap max_model_len), and too few for all three at once
+    llm = LLM(path, dtype="float32", num_kv_blocks=8, block_size=BS, preemption_mode=mode, **kw)
+    assert llm.llm_engine.scheduler.max_model_len == 4096
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == [_want(hf, p, 60) for p in PROMPTS]
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert_clean(llm)
+
+
+def test_features_that_do_not_go_with_a_window_name_their_field(mistral):
+    path, _ = mistral
+    with pytest.raises(ParameterError) as e:
+        LLM(path, dtype="float32", num_kv_blocks=16, kv_eviction="streaming:sink_tokens=4,window_tokens=28")
+    assert e.value.param == "kv_eviction" and "sliding window of 32 tokens" in str(e.value)
+    llm = LLM(path, dtype="float32", num_kv_blocks=16)
+    with pytest.raises(ParameterError) as e:
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, kv_eviction="h2o:heavy_tokens=16,recent_tokens=16"),
+                     use_tqdm=False)  # fmt: skip
+    assert e.value.param == "kv_eviction"
+    assert_clean(llm)
