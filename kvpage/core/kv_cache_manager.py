@@ -377,8 +377,7 @@ class KVCacheManager:
         if policy.evicts and not isinstance(self.layer_spec, FullAttention):
             raise ValueError(f"kv_eviction={policy.describe()!r} does not go with layers that read a "
                              f"{self.layer_spec.describe()}: they release what they no longer read")  # fmt: skip
-        table, copies = self.prefix.take(prefix)
-        release_behind(table, self.layer_spec, table.num_tokens, self.pool)  # what a partial hit resumes past
+        table, copies = self.prefix.take(prefix)  # (under a window, what its first query reads only)
         self._tables[seq_id] = table
         self.eviction.open(seq_id, policy)
         return table, copies

@@ -272,6 +272,7 @@ class PrefixRegistry:
         hit copied into a new last block), and the (src, dst) copies the worker makes first."""
         if prefix is None:
             return BlockTable([], 0), []
+        self._skip_unread(prefix)
         source = self.partial_source(prefix)
         for block in self.hit_blocks(prefix):
             self.pool.incref(block)
@@ -295,6 +296,18 @@ class PrefixRegistry:
         table = BlockTable(block_ids, prefix.num_tokens, prefix.cache_salt, list(prefix.block_hashes), n,
                            released=prefix.released)  # fmt: skip
         return table, copies
+
+    def _skip_unread(self, prefix: CachedPrefix) -> None:
+        """Under a window, the hit blocks the new table's first query will not read become holes before
+        anything is taken (a partial hit resumes past more of them than the full blocks did; a drop
+        of it, fewer): neither referenced nor restored from the tier."""
+        if isinstance(self.spec, FullAttention):
+            return
+        upto = min(needed_from(self.spec, prefix.num_tokens, self.block_size), len(prefix.block_ids))
+        for i in range(prefix.released, upto):
+            prefix.block_ids[i] = None
+            prefix.tier_block_ids.pop(i, None)
+        prefix.released = max(prefix.released, upto)
 
     def unpin(self, block_ids: Iterable[int]) -> None:
         """Release pins of `pin` before the step ends (one pin per id given)."""

@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvpage.core import AdmissionStatus, KVCacheManager
 from kvpage.core.eviction import H2O, Demote, EvictionWindows, StreamingLLM
+from kvpage.core.kv_spec import FULL, ChunkedLocal, SlidingWindow, needed_from
 from kvpage.core.segments import segment_spans
 from tests.core.kv_memory import KVMemory
 
@@ -38,10 +39,11 @@ class ManagerMachine(RuleBasedStateMachine):
         watermark=st.sampled_from([0.0, 0.1]),
         num_tier_blocks=st.sampled_from([0, 0, 1, 3]),
     )
-    def setup(self, num_blocks, block_size, num_cpu_blocks, caching, watermark, num_tier_blocks, cold_blocks=None):
+    def setup(self, num_blocks, block_size, num_cpu_blocks, caching, watermark, num_tier_blocks, cold_blocks=None,
+              layer_spec=FULL):  # fmt: skip
         self.mgr = KVCacheManager(
             num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=caching, watermark=watermark,
-            num_tier_blocks=num_tier_blocks, cold_blocks=cold_blocks,
+            num_tier_blocks=num_tier_blocks, cold_blocks=cold_blocks, layer_spec=layer_spec,
         )  # fmt: skip
         self.tokens: dict[str, list[int]] = {}  # every sequence's token ids: the test owns them
         self.computed: dict[str, int] = {}  # leading tokens whose KV the "model" has written
@@ -165,7 +167,7 @@ class ManagerMachine(RuleBasedStateMachine):
         ids = [self.new_id() for _ in lists]
         free_before = pool.num_free
         tiered = adm.prefix.tier_block_ids  # hits on the CPU tier (None in hits): each takes a new block
-        taken_hits = sum(pool.blocks[b].ref_count == 0 for i, b in enumerate(hits) if i not in tiered)
+        taken_hits = sum(pool.blocks[b].ref_count == 0 for i, b in enumerate(hits) if i not in tiered and b is not None)
         partial = adm.prefix.partial
         if partial is not None:
             event("partial prefix hit (admitted)")
@@ -174,15 +176,23 @@ class ManagerMachine(RuleBasedStateMachine):
         assert copies == ([(partial.block_id, self.mgr.block_table(ids[0])[len(hits)])] if partial else [])
         self.mem.transfers()
         self.mem.copy_before_writes(copies)
-        assert free_before - pool.num_free == adm.blocks_needed + taken_hits  # the plan's count is exact
+        taken = free_before - pool.num_free
+        if self.mgr.layer_spec is FULL:
+            assert taken == adm.blocks_needed + taken_hits  # the plan's count is exact
+        else:  # (a partial hit or a sibling may let a window release some of them at once)
+            assert taken <= adm.blocks_needed + taken_hits
         lead_table = self.mgr.block_table(ids[0])
-        assert all(lead_table[i] == b for i, b in enumerate(hits) if i not in tiered)
+        assert all(lead_table[i] == b for i, b in enumerate(hits) if i not in tiered)  # (a window's: holes too)
         for i, (seq_id, toks, m) in enumerate(zip(ids, lists, adm.shared_blocks, strict=True)):
             assert self.mgr.num_tokens(seq_id) == len(toks)
-            assert self.mgr.block_table(seq_id)[:m] == lead_table[:m] and toks[: m * bs] == lead[: m * bs]
+            mine = self.mgr.block_table(seq_id)[:m]  # (a window may have released some of them at once)
+            assert all(a == b or (a is None and self.mgr.layer_spec is not FULL) for a, b in zip(mine, lead_table))
+            assert toks[: m * bs] == lead[: m * bs]
             # KV written so far: the hits (the lead computes the rest of the blocks it shares later)
             lead_computed = adm.prefix.num_tokens if use_prefix_cache else 0
-            self.created_now(seq_id, list(toks), lead_computed if i == 0 else min(m * bs, len(hits) * bs))
+            # (a sibling never computes what its window released: the lead computes those blocks)
+            sib = max(min(m * bs, len(hits) * bs), self.mgr._table(seq_id).released * bs)
+            self.created_now(seq_id, list(toks), lead_computed if i == 0 else sib)
 
     @precondition(lambda self: self.resident())
     @rule(data=st.data())
@@ -230,7 +240,13 @@ class ManagerMachine(RuleBasedStateMachine):
         num_full = self.mgr.num_tokens(parent) // self.mgr.block_size
         num_blocks = data.draw(st.none() | st.integers(0, num_full))
         child = self.new_id()
-        if num_blocks and self.mgr.block_table(parent)[num_blocks - 1] is None:  # would end on a hole
+        table, spec, bs = self.mgr.block_table(parent), self.mgr.layer_spec, self.mgr.block_size
+        if spec is not FULL and num_blocks is not None and None in table[needed_from(spec, num_blocks * bs, bs) :
+                                                                          num_blocks]:  # fmt: skip
+            with pytest.raises(ValueError, match="the window reads one that was released"):
+                self.mgr.fork(parent, child, num_blocks)
+            return
+        if spec is FULL and num_blocks and table[num_blocks - 1] is None:  # would end on a hole
             with pytest.raises(ValueError, match="the last of them was evicted"):
                 self.mgr.fork(parent, child, num_blocks)
             return
@@ -675,3 +691,38 @@ class DemotingManagerMachine(EvictingManagerMachine):
 
 DemotingManagerMachine.TestCase.settings = machine_settings(150, 30)
 TestDemotingManagerProperties = DemotingManagerMachine.TestCase
+
+
+class WindowedManagerMachine(ManagerMachine):
+    """The same on layers that read a sliding window or chunks (kv_spec.py): each step that runs lets
+    the sequences it touched release the blocks their computed tokens no longer need (layer_window.py),
+    and every sequence still reads back its own tokens where it holds them. Lookups resume past
+    released blocks, forks and siblings share only what their window reads."""
+
+    @initialize(
+        num_blocks=st.integers(2, 14),
+        block_size=st.sampled_from([1, 2, 3, 4]),
+        num_cpu_blocks=st.integers(0, 8),
+        caching=st.booleans(),
+        watermark=st.sampled_from([0.0, 0.1]),
+        num_tier_blocks=st.sampled_from([0, 0, 2]),
+        spec=st.sampled_from([SlidingWindow(1), SlidingWindow(3), SlidingWindow(6), ChunkedLocal(2), ChunkedLocal(5)]),
+    )
+    def setup(self, num_blocks, block_size, num_cpu_blocks, caching, watermark, num_tier_blocks, spec):
+        ManagerMachine.setup(self, num_blocks, block_size, num_cpu_blocks, caching, watermark, num_tier_blocks,
+                             layer_spec=spec)  # fmt: skip
+
+    @rule(ok=st.booleans())
+    def end_step(self, ok):
+        touched = [s for s in {*self.step_start, *self.created} if self.mgr.has_sequence(s)] if ok else []
+        super().end_step(ok)
+        resident = [s for s in touched if not self.mgr.is_swapped(s)]
+        self.mgr.finish_step([(s, self.computed[s], None) for s in resident])  # (commits nothing more)
+        for s in resident:
+            self.mgr.check_window(s, self.computed[s])
+            if self.mgr._table(s).released:
+                event("blocks released behind the window")
+
+
+WindowedManagerMachine.TestCase.settings = machine_settings(300, 30)
+TestWindowedManagerProperties = WindowedManagerMachine.TestCase
