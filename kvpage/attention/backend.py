@@ -80,14 +80,18 @@ class AttentionBackend(Protocol):
 # How a sequence is read in one layer (`read_path`), from the plainest to the most demanding.
 DENSE = "dense"  # its table, every block: any backend's kernel
 BOUNDED = "bounded"  # the blocks its read budget chooses by key bounds (key_bounds.py): the CPU kernels, the reference
+WINDOWED = "windowed"  # its table, the keys behind the layer's sliding window masked: the reference
 MASS = "mass"  # its table, and the mass each block received (H2O): the reference
 DEMOTED = "demoted"  # its table and its demoted blocks, explicitly (demoted.py): the reference
-_RANK = {DENSE: 0, BOUNDED: 1, MASS: 2, DEMOTED: 3}
+_RANK = {DENSE: 0, BOUNDED: 1, WINDOWED: 2, MASS: 3, DEMOTED: 4}
 
 
-def read_path(meta: AttentionMetadata, i: int, bounded: bool) -> str:
-    """Which path reads sequence i in a layer (`bounded`: the layer keeps key bounds): the one place
-    that decides it from what the step asks of attention (meta.reads)."""
+def read_path(meta: AttentionMetadata, i: int, bounded: bool, window: int = 0) -> str:
+    """Which path reads sequence i in a layer (`bounded`: the layer keeps key bounds; `window`: the
+    keys it reads, 0 for all): the one place that decides it from what the layer is and what the step
+    asks of attention (meta.reads). A window goes with no eviction policy nor read budget (compat.py)."""
+    if window:
+        return WINDOWED
     reads = meta.reads
     if reads.empty:
         return DENSE
@@ -100,9 +104,11 @@ def read_path(meta: AttentionMetadata, i: int, bounded: bool) -> str:
     return DENSE
 
 
-def decodes_path(meta: AttentionMetadata, bounded: bool) -> str:
+def decodes_path(meta: AttentionMetadata, bounded: bool, window: int = 0) -> str:
     """The path a step's decodes take together (they are attended as one batch): the most demanding
     of theirs."""
+    if window:
+        return WINDOWED
     if meta.reads.empty:
         return DENSE
     return max((read_path(meta, i, bounded) for i in range(meta.num_decodes)), key=_RANK.__getitem__, default=DENSE)

@@ -22,9 +22,10 @@ meta.reads.mass) comes from here: decodes sum the probabilities they compute any
 prefill chunk that wants it is attended with explicit scores instead of the fused SDPA, which does
 not return them. A decode within a read budget (BOUNDED) reads the blocks key_bounds.py chooses.
 
-A sliding-window layer (`kv.window` = W) masks every key W or more positions behind its query, as
-transformers does; positions in the table serve, since what the window released is whole leading
-blocks (core/layer_window.py).
+A sliding-window layer (`kv.window` = W; WINDOWED) masks every key W or more positions behind its
+query, as transformers does, on the dense code; positions in the table serve, since what the window
+released is whole leading blocks (core/layer_window.py). A decode group's mask is made once per step
+and shared by the layers (they have one window).
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ class TorchReferenceBackend:
         # Gathered decode keys/values land in buffers reused by every layer, head and step:
         # allocating ~100 MB afresh each time costs more in page faults than the attention itself.
         self._workspace: dict[str, torch.Tensor] = {}
+        # the step's decode-group biases with a window's keys masked, made by the first layer: (meta, window, biases)
+        self._window_biases: tuple[AttentionMetadata | None, int, dict[int, torch.Tensor]] = (None, 0, {})
 
     @staticmethod
     def allocate_kv(num_blocks, num_kv_heads, block_size, head_dim, dtype, kv_dtype, device, pin=False) -> LayerKV:
@@ -108,8 +111,9 @@ class TorchReferenceBackend:
             for i in range(meta.num_decodes):
                 self._explicit(out[i : i + 1], q[i : i + 1], None, None, kv, meta, i, scale)
             return
-        for rows, max_len, bias in meta.decode_groups:
-            out[rows] = self._decode_group(q[rows], rows, max_len, _windowed(bias, rows, kv, meta), kv, meta, scale)
+        for g, (rows, max_len, bias) in enumerate(meta.decode_groups):
+            bias = self._windowed(g, bias, rows, kv.window, meta) if kv.window else bias
+            out[rows] = self._decode_group(q[rows], rows, max_len, bias, kv, meta, scale)
 
     def _decodes_within_budget(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
         """Each decode over the blocks its read budget chooses, per kv head (key_bounds.py): the
@@ -210,6 +214,18 @@ class TorchReferenceBackend:
         o = torch.bmm(probs.view(kv_heads, group * m, c + n).to(q.dtype), values)
         out.copy_(o.view(kv_heads, group, m, d).permute(2, 0, 1, 3).reshape(m, -1, d))
 
+    def _windowed(self, g: int, bias: torch.Tensor, rows: torch.Tensor, window: int, meta: AttentionMetadata):
+        """Decode group g's bias with the keys behind the window masked too, made once per step."""
+        step, w, made = self._window_biases
+        if step is not meta or w != window:
+            made = {}
+            self._window_biases = (meta, window, made)
+        if g not in made:
+            lens = torch.tensor([meta.seq_lens_list[r] for r in rows.tolist()], device=bias.device)
+            keys = torch.arange(bias.shape[-1], device=bias.device)[None, None, :]
+            made[g] = bias.masked_fill(keys <= (lens - 1 - window)[:, None, None], float("-inf"))
+        return made[g]
+
     def _gather(self, name: str, cache_head: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """cache_head[blocks] ([num_blocks, bs, d] view of one kv head) into a reused, contiguous buffer."""
         numel = blocks.numel() * cache_head[0].numel()
@@ -240,12 +256,3 @@ class TorchReferenceBackend:
                 meta.reads.mass[:, :nb].index_add_(0, rows, probs.sum(1).view(n, nb, bs).sum(-1))
             out[:, h] = torch.bmm(probs.to(q.dtype), values)
         return out.view(n, -1, d)
-
-
-def _windowed(bias: torch.Tensor, rows: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
-    """A decode group's bias, with the keys behind a sliding-window layer's window masked too."""
-    if not kv.window:
-        return bias
-    lens = torch.tensor([meta.seq_lens_list[r] for r in rows.tolist()], device=bias.device)
-    behind = torch.arange(bias.shape[-1], device=bias.device)[None, None, :] <= (lens - 1 - kv.window)[:, None, None]
-    return bias.masked_fill(behind, float("-inf"))

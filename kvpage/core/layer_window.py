@@ -26,7 +26,7 @@ def release_behind(table: BlockTable, spec: LayerSpec, num_computed: int, pool: 
         return []
     upto = min(num_releasable(spec, num_computed, pool.block_size), len(table.block_ids))
     freed = [b for b in table.block_ids[table.released : upto] if b is not HOLE]
-    for i in range(table.released, max(upto, table.released)):
+    for i in range(table.released, upto):
         table.block_ids[i] = HOLE
     table.released = max(table.released, upto)
     for b in freed:  # oldest first: the free queue hands out the oldest cached blocks first
@@ -39,7 +39,8 @@ def check_window(seq_id, table: BlockTable, spec: LayerSpec, num_computed: int, 
     more blocks than the spec's bound for the tokens it has slots for beyond them."""
     if isinstance(spec, FullAttention):
         check(not table.released, lambda: f"{seq_id}: a full-attention table with released blocks")
-    if isinstance(spec, FullAttention) or table.on_cpu:
+        return
+    if table.on_cpu:
         return
     upto = min(num_releasable(spec, num_computed, block_size), len(table.block_ids))
     check(table.released >= upto, lambda: f"{seq_id}: holds blocks its window no longer reads")

@@ -143,7 +143,7 @@ class PrefixRegistry:
             self._find_window(prefix, servable, cache_salt)
             self._find_partial(prefix, token_ids)
             prefix.num_tokens = len(prefix.block_ids) * bs + (prefix.partial.num_tokens if prefix.partial else 0)
-            return prefix  # (a partial hit may let the new table release more: the manager's `_start`)
+            return prefix  # (a partial hit may let the new table release more: `take`)
         digests = block_digests(servable, bs, cache_salt)
         for i, digest in enumerate(digests):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])

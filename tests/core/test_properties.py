@@ -28,17 +28,18 @@ from tests.core.kv_memory import KVMemory
 # A few shared "system prompts" so that random prompts often share prefixes.
 PREFIXES = [[], list(range(1, 9)), list(range(1, 5)) + [9, 9, 9, 9], list(range(40, 52))]
 tokens = st.integers(min_value=0, max_value=5)  # a tiny vocabulary makes identical blocks common
+SETUP = dict(  # the manager's shape, drawn for each run
+    num_blocks=st.integers(2, 14),
+    block_size=st.sampled_from([1, 2, 3, 4]),
+    num_cpu_blocks=st.integers(0, 8),
+    caching=st.booleans(),
+    watermark=st.sampled_from([0.0, 0.1]),
+    num_tier_blocks=st.sampled_from([0, 0, 1, 3]),
+)
 
 
 class ManagerMachine(RuleBasedStateMachine):
-    @initialize(
-        num_blocks=st.integers(2, 14),
-        block_size=st.sampled_from([1, 2, 3, 4]),
-        num_cpu_blocks=st.integers(0, 8),
-        caching=st.booleans(),
-        watermark=st.sampled_from([0.0, 0.1]),
-        num_tier_blocks=st.sampled_from([0, 0, 1, 3]),
-    )
+    @initialize(**SETUP)
     def setup(self, num_blocks, block_size, num_cpu_blocks, caching, watermark, num_tier_blocks, cold_blocks=None,
               layer_spec=FULL):  # fmt: skip
         self.mgr = KVCacheManager(
@@ -700,12 +701,7 @@ class WindowedManagerMachine(ManagerMachine):
     released blocks, forks and siblings share only what their window reads."""
 
     @initialize(
-        num_blocks=st.integers(2, 14),
-        block_size=st.sampled_from([1, 2, 3, 4]),
-        num_cpu_blocks=st.integers(0, 8),
-        caching=st.booleans(),
-        watermark=st.sampled_from([0.0, 0.1]),
-        num_tier_blocks=st.sampled_from([0, 0, 2]),
+        **SETUP,
         spec=st.sampled_from([SlidingWindow(1), SlidingWindow(3), SlidingWindow(6), ChunkedLocal(2), ChunkedLocal(5)]),
     )
     def setup(self, num_blocks, block_size, num_cpu_blocks, caching, watermark, num_tier_blocks, spec):
