@@ -25,24 +25,34 @@ import torch
 TYPES_KEY = "kvpage.gguf_types"  # metadata: {tensor name: GGUF type name} for tensors kept as blocks
 
 
-def _half(blocks: torch.Tensor, at: int) -> torch.Tensor:
-    return blocks[:, at : at + 2].contiguous().view(torch.float16).float()  # [n_blocks, 1]
+def _scales(blocks: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """The first `count` float16 values of each block, as float32 [n_blocks, 1] each."""
+    halves = blocks.view(torch.float16)  # a block's bytes are even in number: [n_blocks, bytes / 2]
+    return [halves[:, i : i + 1].float() for i in range(count)]
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+    """float32 [n_blocks, 32]: each byte's low nibble in the first 16 columns, its high one in the last."""
+    out = torch.empty(qs.shape[0], 2 * qs.shape[1])
+    out[:, : qs.shape[1]] = qs & 0x0F
+    out[:, qs.shape[1] :] = qs >> 4
+    return out
 
 
+# in place on a float32 buffer: the same float32 operations, in the same order, as gguf.quants
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    return b[:, 2:].contiguous().view(torch.int8).float() * _half(b, 0)
+    (d,) = _scales(b, 1)
+    return b.view(torch.int8)[:, 2:].float().mul_(d)
 
 
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    return _half(b, 0) * (_nibbles(b[:, 2:]).to(torch.int8) - 8).float()
+    (d,) = _scales(b, 1)
+    return _nibbles(b[:, 2:]).sub_(8).mul_(d)
 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    return _half(b, 0) * _nibbles(b[:, 4:]).float() + _half(b, 2)
+    d, m = _scales(b, 2)
+    return _nibbles(b[:, 4:]).mul_(d).add_(m)
 
 
 _TORCH = {"Q8_0": (34, _q8_0), "Q4_0": (18, _q4_0), "Q4_1": (20, _q4_1)}  # type: (bytes per block, decode)

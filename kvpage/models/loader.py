@@ -164,10 +164,12 @@ def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, device: str, back
     # the compiled CPU kernels serve the per-layer ops too wherever they serve attention
     ops = KernelLayerOps() if attention.name == "cpu" else TorchLayerOps()
     with torch.device("meta"):
-        model = LlamaForCausalLM(shard.local_config(cfg), attention, ops, comm)
+        model = LlamaForCausalLM(shard.local_config(cfg), attention, ops, comm).to(dtype)
+    # made in `dtype` at once: each weight is rounded as it is copied in (as .to(dtype) would round it),
+    # with no float32 copy of the whole model on the way
     model.to_empty(device=device)
     model.load_weights((name, shard.narrow(name, t, cfg)) for name, t in weights)
-    return model.to(dtype).eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
 
 
 def dummy_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:

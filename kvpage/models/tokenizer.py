@@ -17,6 +17,19 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
+# tokenizer.json parsed once per process and file version (a 49k-token vocabulary takes ~0.1 s to parse):
+# the parsed tokenizer is never changed after it is built, so every Tokenizer of that file shares it
+_PARSED: dict[tuple[str, int, int], _HFTokenizer] = {}
+
+
+def _parsed(file: Path) -> _HFTokenizer:
+    st = file.stat()
+    key = (str(file.resolve()), st.st_mtime_ns, st.st_size)
+    if key not in _PARSED:
+        _PARSED[key] = _HFTokenizer.from_file(str(file))
+    return _PARSED[key]
+
+
 CONTROL_TOKEN = 3  # llama.cpp's token type for special tokens such as <|im_start|>
 
 # How llama.cpp's pre-tokenizer types split text before BPE (see its llama-vocab.cpp).
@@ -197,7 +210,7 @@ class Tokenizer:
         """From tokenizer.json (+ tokenizer_config.json); None when the directory has no tokenizer."""
         if not (path / "tokenizer.json").exists():
             return None
-        backend = _HFTokenizer.from_file(str(path / "tokenizer.json"))
+        backend = _parsed(path / "tokenizer.json")
         cfg = {}
         if (path / "tokenizer_config.json").exists():
             cfg = json.loads((path / "tokenizer_config.json").read_text())

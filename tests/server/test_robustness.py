@@ -202,8 +202,8 @@ def test_a_scrape_under_load_sees_one_steps_state():
         done = threading.Event()
         scrapes: list[dict] = []
 
-        def scraper():
-            while not done.is_set():
+        def scraper():  # a scrape each 20 ms: a loop with no pause would take the cores the steps need
+            while not done.wait(0.02):
                 scrapes.append(scrape(s))
 
         def one(i: int):
