@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.contexts, args.gen, args.short_contexts, args.short_outputs = [16, 48], 3, [16], [1, 2]
     longest = max(args.contexts) + 4 * args.gen
+    reps = 1 if args.smoke else 2  # the best of two runs of each measurement (a smoke run's figures are not read)
     llm = LLM("smollm2", dtype=args.dtype, enable_prefix_caching=False, max_model_len=max(longest, 1024),
               kv_cache_memory="1GiB")  # fmt: skip
     model = llm.llm_engine.runner.model
@@ -77,10 +78,10 @@ def main(argv: list[str] | None = None) -> None:
     for ctx in args.contexts:
         prompt = corpus[:ctx]
 
-        t_none = per_token(lambda n, p=prompt: nocache.generate([p], params(n)), args.gen, 1 if ctx > 4096 else 2)
+        t_none = per_token(lambda n, p=prompt: nocache.generate([p], params(n)), args.gen, 1 if ctx > 4096 else reps)
         cached_gen = 4 * args.gen  # their steps are short: more of them, so the prefill's noise does not swamp them
-        t_static = per_token(lambda n, p=prompt: static.generate([p], params(n)), cached_gen)
-        t_paged = per_token(lambda n, p=prompt: llm.generate([p], params(n), use_tqdm=False), cached_gen)
+        t_static = per_token(lambda n, p=prompt: static.generate([p], params(n)), cached_gen, reps)
+        t_paged = per_token(lambda n, p=prompt: llm.generate([p], params(n), use_tqdm=False), cached_gen, reps)
         row = {"context": ctx, "no_cache_ms": 1e3 * t_none, "static_ms": 1e3 * t_static, "paged_ms": 1e3 * t_paged,
                "speedup": t_none / t_paged, "seed_speedup": SEED.get(ctx)}  # fmt: skip
         rows.append(row)
@@ -98,8 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     for ctx in args.short_contexts:
         prompt = corpus[:ctx]
         for n in args.short_outputs:
-            t_none = best(lambda k, p=prompt: nocache.generate([p], params(k)), n, 2)
-            t_paged = best(lambda k, p=prompt: llm.generate([p], params(k), use_tqdm=False), n, 2)
+            t_none = best(lambda k, p=prompt: nocache.generate([p], params(k)), n, reps)
+            t_paged = best(lambda k, p=prompt: llm.generate([p], params(k), use_tqdm=False), n, reps)
             short.append({"context": ctx, "tokens": n, "no_cache_s": t_none, "paged_s": t_paged})
     lines += ["", "Whole requests, prefill included (the crossover for short outputs):", "",
               "| prompt tokens | output tokens | no cache (s) | paged (s) | no cache / paged |",

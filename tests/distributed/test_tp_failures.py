@@ -57,10 +57,10 @@ def test_a_dead_rank_ends_the_engine(model_dir, watched):
 
 def test_an_idle_engine_keeps_its_ranks_past_the_group_timeout(model_dir, monkeypatch):
     """The ranks wait for the next step inside a collective that times out; rank 0 pings them while idle."""
-    monkeypatch.setenv("KVPAGE_TP_TIMEOUT_S", "3")  # (read by rank 0's group and the spawned ranks')
+    monkeypatch.setenv("KVPAGE_TP_TIMEOUT_S", "2")  # (read by rank 0's group and the spawned ranks')
     with LLM(model_dir, tensor_parallel_size=2, **KW) as llm:
         first = llm.generate(["Hello there"], GREEDY)[0].outputs[0].token_ids
-        time.sleep(8)  # idle for well past the timeout
+        time.sleep(5)  # idle for two and a half timeouts
         assert not llm.llm_engine.runner.ranks.dead()
         assert llm.generate(["Hello there"], GREEDY)[0].outputs[0].token_ids == first
 

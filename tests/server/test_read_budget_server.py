@@ -64,7 +64,7 @@ def test_many_clients_with_budgets_and_an_abort_leave_the_pool_free(bounded):
     import asyncio
 
     ids = bounded.engine.tokenizer.encode(english_corpus()[8000:16000])
-    prompts = [ids[i * 150 : i * 150 + 400] for i in range(8)]
+    prompts = [ids[i * 150 : i * 150 + 300] for i in range(8)]  # longer than every budget
     budgets = [64, 128, 0, 256, 64, 128, 0, 256]
 
     async def one(client, prompt, budget):
