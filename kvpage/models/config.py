@@ -8,7 +8,7 @@ from typing import Any
 from kvpage.core.kv_bytes import kv_bytes_per_token
 from kvpage.core.kv_spec import FULL, LayerSpec, SlidingWindow
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -31,6 +31,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None  # every layer reads the last `sliding_window` keys (Mistral)
+    qk_norm: bool = False  # q and k RMS-normalized per head before RoPE (Qwen3)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -60,7 +61,7 @@ class ModelConfig:
         """A Hugging Face config.json that `from_hf` (and transformers) read back as this config."""
         hf = {
             "architectures": [
-                {"qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
+                {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}.get(
                     self.architecture, "LlamaForCausalLM"
                 )
             ],
@@ -102,8 +103,8 @@ class ModelConfig:
             rope_theta = None
         if hf.get("mlp_bias"):
             raise ValueError("models with MLP biases (mlp_bias=true) are not supported")
-        if model_type == "qwen2" and hf.get("use_sliding_window"):
-            raise ValueError("Qwen2 with use_sliding_window=true is not supported")
+        if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+            raise ValueError(f"{model_type} with use_sliding_window=true is not supported")
         max_len = hf.get("max_position_embeddings", 2048)
         # Mistral reads a window on every layer: the KV-cache manager releases what falls behind it
         window = hf.get("sliding_window") if model_type == "mistral" else None
@@ -125,4 +126,5 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=[] if eos is None else (list(eos) if isinstance(eos, list) else [eos]),
             sliding_window=window or None,
+            qk_norm=model_type == "qwen3",
         )

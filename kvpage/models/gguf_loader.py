@@ -30,12 +30,14 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 def hf_name(gguf_name: str) -> str:
@@ -98,6 +100,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         architecture=_ARCHITECTURES[arch],
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
     )
 
 

@@ -1,4 +1,4 @@
-"""The LLaMA architecture (also Llama 2/3, Mistral, Qwen2) over the paged KV cache.
+"""The LLaMA architecture (also Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV cache.
 
     tokens [T] -> embed -> L x ( x + attn(rmsnorm(x)),  x + mlp(rmsnorm(x)) ) -> rmsnorm -> lm_head
 
@@ -82,12 +82,26 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
         self.backend, self.ops = backend, ops
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:  # Qwen3: each head of q and of k RMS-normalized before RoPE, one weight per head dim
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        if self.q_norm is not None:
+            qkv = self._norm_qk(qkv)
         q, k, v = self.ops.qkv_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         o = self.backend.forward(q, k, v, kv, meta, self.scale)
         return self.ops.linear(o.reshape(-1, self.q_size), self.o_proj.weight)
+
+    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """[T, q + 2 kv] with every head of q and k normalized over its head_dim (v as it was)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        d, eps = self.head_dim, self.q_norm.eps
+        q = self.ops.rms_norm(q.reshape(-1, d), self.q_norm.weight, eps).view(-1, self.q_size)
+        k = self.ops.rms_norm(k.reshape(-1, d), self.k_norm.weight, eps).view(-1, self.kv_size)
+        return torch.cat([q, k, v], dim=-1)
 
 
 class MLP(nn.Module):

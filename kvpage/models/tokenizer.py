@@ -189,7 +189,7 @@ class Tokenizer:
             raise ValueError(f"GGUF tokenizer model {kind!r} is not supported yet (only byte-level BPE, 'gpt2')")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
         vocab = {t: i for i, t in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]  # (none: bytes only)
         backend = _HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
         backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
         backend.decoder = decoders.ByteLevel()

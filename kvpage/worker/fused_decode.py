@@ -38,8 +38,10 @@ class FusedDecode:
     def applies_to(model) -> bool:
         """Whether the model's layers could ever take this path (kernel ops, and a backend whose
         cache layout and decode are the compiled kernels': `AttentionBackend.fuses_decode`)."""
-        return isinstance(model.ops, KernelLayerOps) and all(
-            layer.self_attn.backend.fuses_decode for layer in model.layers
+        return (
+            isinstance(model.ops, KernelLayerOps)
+            and not model.config.qk_norm  # (the compiled layers have no per-head norm of q and k)
+            and all(layer.self_attn.backend.fuses_decode for layer in model.layers)
         )
 
     @property

@@ -1,8 +1,11 @@
 """Branches the real model does not take (no GQA, q/k/v bias, RoPE scaling, a sliding window on every
-layer), checked against transformers on small random models saved as Hugging Face directories and read
-by our loader. The window (8 keys) is far shorter than the prompts: every chunk and decode crosses it."""
+layer, Qwen3's per-head q/k norm), checked against transformers on small random models saved as Hugging
+Face directories and read by our loader, and the same models written as llama.cpp writes GGUFs. The
+window (8 keys) is far shorter than the prompts: every chunk and decode crosses it."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ CASES = {
     "llama-mqa": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True)),
     "qwen2-bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
     "mistral-window": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8)),
+    "qwen3-qk-norm": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
     "rope-linear": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
                                         rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0})),
     "rope-llama3": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters=LLAMA3)),
@@ -47,6 +51,7 @@ def test_config_branches_are_read(pair):
     assert cfg.tie_word_embeddings == (name == "llama-mqa")
     assert ((cfg.rope_scaling or {}).get("rope_type")) == {"rope-linear": "linear", "rope-llama3": "llama3"}.get(name)
     assert cfg.sliding_window == (8 if name == "mistral-window" else None)
+    assert cfg.qk_norm == (name == "qwen3-qk-norm")
 
 
 def test_logits_over_a_ragged_batch_match_transformers(pair):
@@ -108,6 +113,30 @@ def test_in_batch_prefix_hit_matches_transformers(pair):
         assert got == want
         torch.testing.assert_close(first, logits, atol=2e-4, rtol=1e-4)
     assert_pool_clean(mgr)
+
+
+# llama.cpp's architectures for these families (its Mistral GGUFs carry no window; llama3 RoPE is a tensor)
+GGUF_CASES = {"llama-mha", "llama-mqa", "qwen2-bias", "qwen3-qk-norm", "rope-linear"}
+
+
+def test_the_same_model_written_as_gguf_loads_the_same_model(pair, tmp_path):
+    """Written as llama.cpp writes a model of its family (tensor names, metadata, LLaMA's q/k row
+    order), the GGUF loads as the same config and the same weights, bit for bit."""
+    name, _, ours = pair
+    if name not in GGUF_CASES:
+        pytest.skip(f"{name}: not written by llama.cpp's converter with what this test checks")
+    import transformers  # noqa: F401 - (the pair's directory was written by it)
+
+    from tests.models.tiny_gguf import write_gguf_of
+
+    write_gguf_of(Path(ours.source), tmp_path / "model.gguf")
+    from_gguf = load_model(str(tmp_path / "model.gguf"), dtype="float32", use_cache=False)
+    for field in ("architecture", "num_heads", "num_kv_heads", "head_dim", "attention_bias", "qk_norm",
+                  "tie_word_embeddings", "rope_theta", "rope_scaling"):  # fmt: skip
+        assert getattr(from_gguf.config, field) == getattr(ours.config, field), field
+    assert from_gguf.config.rms_norm_eps == pytest.approx(ours.config.rms_norm_eps, rel=1e-7)  # (a float32 there)
+    a, b = dict(ours.model.named_parameters()), dict(from_gguf.model.named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_dummy_weights_are_seeded_and_shaped():

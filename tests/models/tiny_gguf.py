@@ -99,3 +99,60 @@ def write_tiny_llama(path: Path, types: dict[str, Q], *, tied: bool = False, see
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_gguf_of(hf_dir: Path, path: Path) -> None:
+    """The Hugging Face model saved in `hf_dir` (config.json, model.safetensors) as llama.cpp's converter
+    writes it: llama.cpp's tensor names and metadata keys for its architecture, float32 tensors, q and k
+    rows permuted for LLaMA, and a byte-level vocabulary of the model's size."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from kvpage.models.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES
+
+    hf = json.loads((hf_dir / "config.json").read_text())
+    arch = hf["model_type"]
+    assert arch in ("llama", "qwen2", "qwen3"), arch
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    kv_heads = hf.get("num_key_value_heads") or heads
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(hf["num_hidden_layers"])
+    w.add_context_length(hf["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(hf["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(hf.get("head_dim") or hidden // heads)
+    w.add_value_length(hf.get("head_dim") or hidden // heads)
+    rope = hf.get("rope_parameters") or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0))
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(__import__("gguf").RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    w.add_vocab_size(hf["vocab_size"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(byte_alphabet()[: hf["vocab_size"]])
+    w.add_token_types([1] * hf["vocab_size"])
+    w.add_token_merges([])
+    w.add_eos_token_id(hf["vocab_size"] - 1)
+    to_gguf = {v: k for k, v in _GLOBAL_NAMES.items()}
+    layer_parts = {v: k for k, v in _LAYER_NAMES.items()}
+    for name, t in load_file(str(hf_dir / "model.safetensors")).items():
+        if name in to_gguf:
+            out = to_gguf[name]
+        else:  # model.layers.N.<part>.<weight|bias>
+            _, _, i, *part, kind = name.split(".")
+            out = f"blk.{i}.{layer_parts['.'.join(part)]}.{kind}"
+        t = t.astype(np.float32)
+        if arch == "llama" and ".attn_q." in out:
+            t = permute_qk(t, heads)
+        elif arch == "llama" and ".attn_k." in out:
+            t = permute_qk(t, kv_heads)
+        w.add_tensor(out, np.ascontiguousarray(t))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
