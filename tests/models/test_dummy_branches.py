@@ -119,6 +119,7 @@ def test_in_batch_prefix_hit_matches_transformers(pair):
 GGUF_CASES = {"llama-mha", "llama-mqa", "qwen2-bias", "qwen3-qk-norm", "rope-linear"}
 
 
+@pytest.mark.same_on_every_kind  # the loader's part
 def test_the_same_model_written_as_gguf_loads_the_same_model(pair, tmp_path):
     """Written as llama.cpp writes a model of its family (tensor names, metadata, LLaMA's q/k row
     order), the GGUF loads as the same config and the same weights, bit for bit."""
