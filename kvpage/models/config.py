@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpage.core.kv_bytes import kv_bytes_per_token
-from kvpage.core.kv_spec import FULL, LayerSpec, SlidingWindow
+from kvpage.core.kv_spec import FULL, LayerSpec, SlidingWindow, layer_specs
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -30,8 +30,11 @@ class ModelConfig:
     architecture: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
-    sliding_window: int | None = None  # every layer reads the last `sliding_window` keys (Mistral)
+    sliding_window: int | None = None  # the layers that slide read the last `sliding_window` keys
     qk_norm: bool = False  # q and k RMS-normalized per head before RoPE (Qwen3)
+    # transformers' kind of each layer ("full_attention", "sliding_attention"); None: every layer alike, a
+    # window on each when `sliding_window` is set (Mistral)
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -42,14 +45,27 @@ class ModelConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.sliding_window is not None:
             SlidingWindow(self.sliding_window)  # a bad value names itself
+        if self.layer_types is not None:
+            self.layer_types = tuple(self.layer_types)
+            # a kind that is not known, or a sliding layer without a window, names itself
+            layer_specs(self.num_layers, sliding_window=self.sliding_window, layer_types=self.layer_types)
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
 
     @property
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        """What each layer reads (core/kv_spec.py)."""
+        return layer_specs(self.num_layers, sliding_window=self.sliding_window, layer_types=self.layer_types)
+
+    @property
     def layer_spec(self) -> LayerSpec:
-        """What every layer reads (core/kv_spec.py): its window, or everything."""
-        return SlidingWindow(self.sliding_window) if self.sliding_window else FULL
+        """What the KV-cache manager keeps for every layer: the layers' one spec when they are all alike;
+        full attention when kinds are mixed (Qwen2's windows on its upper layers): every block is held
+        until the manager keeps a block table per group of layers (docs/layer-kinds.md), while each
+        layer's attention still reads only its own window."""
+        specs = set(self.layer_specs)
+        return specs.pop() if len(specs) == 1 else FULL
 
     def kv_bytes_per_token(self, kv_dtype: str) -> int:
         """Bytes of one token's KV cache in `kv_dtype` ("float32", "bfloat16", "int8", "fp8", ...):
@@ -84,6 +100,10 @@ class ModelConfig:
         }
         if self.architecture == "mistral":
             hf["sliding_window"] = self.sliding_window
+        elif self.layer_types is not None:
+            hf |= {"use_sliding_window": True, "sliding_window": self.sliding_window,
+                   "layer_types": list(self.layer_types),
+                   "max_window_layers": self.layer_types.index("sliding_attention")}  # fmt: skip
         return hf
 
     @classmethod
@@ -103,11 +123,16 @@ class ModelConfig:
             rope_theta = None
         if hf.get("mlp_bias"):
             raise ValueError("models with MLP biases (mlp_bias=true) are not supported")
-        if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
-            raise ValueError(f"{model_type} with use_sliding_window=true is not supported")
         max_len = hf.get("max_position_embeddings", 2048)
         # Mistral reads a window on every layer: the KV-cache manager releases what falls behind it
         window = hf.get("sliding_window") if model_type == "mistral" else None
+        layer_types = None
+        if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window") and hf.get("sliding_window"):
+            # windows on the layers from max_window_layers up, as transformers lays them out
+            n, first = hf["num_hidden_layers"], hf.get("max_window_layers", 28)
+            types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+            if "sliding_attention" in types:
+                window, layer_types = hf["sliding_window"], tuple(types)
         return cls(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -127,4 +152,5 @@ class ModelConfig:
             eos_token_ids=[] if eos is None else (list(eos) if isinstance(eos, list) else [eos]),
             sliding_window=window or None,
             qk_norm=model_type == "qwen3",
+            layer_types=layer_types,
         )

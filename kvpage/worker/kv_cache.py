@@ -33,6 +33,7 @@ from kvpage.attention.kv_quant import dequantize, quantize
 from kvpage.attention.layer_kv import LayerKV, read_named_blocks
 from kvpage.attention.torch_ref import TorchReferenceBackend
 from kvpage.core.kv_bytes import demoted_bytes_per_block, kv_bytes_per_block
+from kvpage.core.kv_spec import SlidingWindow
 from kvpage.models.config import ModelConfig
 
 
@@ -68,8 +69,8 @@ class KVCache:
                       for _ in range(cfg.num_layers)]  # fmt: skip
             for layer in layers[DENSE_LAYERS:] if key_bounds else []:
                 layer.keep_bounds()
-            for layer in layers:
-                layer.window = cfg.sliding_window or 0
+            for layer, spec in zip(layers, cfg.layer_specs, strict=True):
+                layer.window = spec.window if isinstance(spec, SlidingWindow) else 0
             return layers
 
         self.layers = pool(num_blocks, device)

@@ -1,8 +1,9 @@
 """A Mistral-style model, every layer reading a sliding window of 32 keys (16-token blocks), through the
 engine: greedy tokens equal transformers' on prompts shorter and far longer than the window, while each
 sequence holds no more blocks than the window needs (core/layer_window.py); prefix hits resume past
-released blocks; preemption by recompute or swap in a tiny pool changes nothing. A tiny random model
-(saved as a Hugging Face directory with SmolLM2's tokenizer)."""
+released blocks; preemption by recompute or swap in a tiny pool changes nothing. At the end, a Qwen2 with
+its window on the upper layer only. Tiny random models (saved as Hugging Face directories with SmolLM2's
+tokenizer)."""
 
 from __future__ import annotations
 
@@ -94,4 +95,41 @@ def test_features_that_do_not_go_with_a_window_name_their_field(mistral):
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, kv_eviction="h2o:heavy_tokens=16,recent_tokens=16"),
                      use_tqdm=False)  # fmt: skip
     assert e.value.param == "kv_eviction"
+    assert_clean(llm)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory, smollm2):
+    """Qwen2 with its window on the upper layer only (use_sliding_window, max_window_layers=1)."""
+    cfg = ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=4096, architecture="qwen2",
+                      attention_bias=True, sliding_window=W, layer_types=("full_attention", "sliding_attention"),
+                      bos_token_id=1, eos_token_ids=[2])  # fmt: skip
+    path = save_dummy_model(tmp_path_factory.mktemp("qwen2"), cfg, smollm2.tokenizer, seed=1, scale=5.0)
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen2ForCausalLM" and hf.config.sliding_window == W
+    assert hf.config.layer_types == ["full_attention", "sliding_attention"]
+    return str(path), hf
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_windows_on_some_layers_equal_transformers_with_hits_and_preemption(qwen2, mode):
+    """Mixed kinds: the manager holds every block (one group until it keeps a table per group of
+    layers), each layer reads its own keys: the full layer all of them, the sliding one its window."""
+    path, hf = qwen2
+    kw = dict(swap_space="16MiB") if mode == "swap" else {}
+    # 12 blocks of 16: each sequence fits (at most 150 tokens), the three together do not
+    llm = LLM(path, dtype="float32", num_kv_blocks=12, block_size=BS, preemption_mode=mode, **kw)
+    engine = llm.llm_engine
+    assert engine.kv_manager.layer_spec.kind == "full" and [kv.window for kv in engine.kv_cache.layers] == [0, W]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == [_want(hf, p, 60) for p in PROMPTS]
+    assert engine.scheduler.num_preemptions > 0
+    llm.reset_prefix_cache()
+    llm.generate([PROMPTS[1]], params, use_tqdm=False)
+    again = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0]  # the whole prompt cached but its last token
+    assert again.num_cached_tokens == 89 and list(again.outputs[0].token_ids) == got[1]
     assert_clean(llm)

@@ -23,6 +23,9 @@ CASES = {
     "qwen2-bias": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2)),
     "mistral-window": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8)),
     "qwen3-qk-norm": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
+    # a window on layer 1 only (transformers: layers from max_window_layers up slide)
+    "qwen2-window": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                         sliding_window=8, max_window_layers=1)),
     "rope-linear": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
                                         rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0})),
     "rope-llama3": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters=LLAMA3)),
@@ -46,11 +49,12 @@ def pair(request, tmp_path_factory):
 def test_config_branches_are_read(pair):
     name, _, ours = pair
     cfg = ours.config
-    assert cfg.attention_bias == (name == "qwen2-bias")
+    assert cfg.attention_bias == name.startswith("qwen2")
     assert (cfg.num_kv_heads == cfg.num_heads) == (name == "llama-mha")
     assert cfg.tie_word_embeddings == (name == "llama-mqa")
     assert ((cfg.rope_scaling or {}).get("rope_type")) == {"rope-linear": "linear", "rope-llama3": "llama3"}.get(name)
-    assert cfg.sliding_window == (8 if name == "mistral-window" else None)
+    assert cfg.sliding_window == (8 if name in ("mistral-window", "qwen2-window") else None)
+    assert cfg.layer_types == (("full_attention", "sliding_attention") if name == "qwen2-window" else None)
     assert cfg.qk_norm == (name == "qwen3-qk-norm")
 
 
