@@ -8,7 +8,7 @@ from typing import Any
 from kvpage.core.kv_bytes import kv_bytes_per_token
 from kvpage.core.kv_spec import FULL, LayerSpec, SlidingWindow, layer_specs
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -35,6 +35,8 @@ class ModelConfig:
     # transformers' kind of each layer ("full_attention", "sliding_attention"); None: every layer alike, a
     # window on each when `sliding_window` is set (Mistral)
     layer_types: tuple[str, ...] | None = None
+    # which layers rotate q and k (SmolLM3's `no_rope_layers`: 1 = RoPE, 0 = none, "NoPE"); None: every layer
+    rope_layers: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -45,6 +47,12 @@ class ModelConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.sliding_window is not None:
             SlidingWindow(self.sliding_window)  # a bad value names itself
+        if self.rope_layers is not None:
+            self.rope_layers = tuple(bool(r) for r in self.rope_layers)
+            if len(self.rope_layers) != self.num_layers:
+                raise ValueError(
+                    f"rope_layers names {len(self.rope_layers)} layers but the model has {self.num_layers}"
+                )
         if self.layer_types is not None:
             self.layer_types = tuple(self.layer_types)
             # a kind that is not known, or a sliding layer without a window, names itself
@@ -77,9 +85,13 @@ class ModelConfig:
         """A Hugging Face config.json that `from_hf` (and transformers) read back as this config."""
         hf = {
             "architectures": [
-                {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}.get(
-                    self.architecture, "LlamaForCausalLM"
-                )
+                {
+                    "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM",
+                    "mistral": "MistralForCausalLM",
+                    "phi3": "Phi3ForCausalLM",
+                    "smollm3": "SmolLM3ForCausalLM",
+                }.get(self.architecture, "LlamaForCausalLM")
             ],
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
@@ -98,7 +110,9 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else self.eos_token_ids or None,
         }
-        if self.architecture == "mistral":
+        if self.rope_layers is not None:
+            hf["no_rope_layers"] = [int(r) for r in self.rope_layers]
+        if self.architecture in ("mistral", "phi3"):
             hf["sliding_window"] = self.sliding_window
         elif self.layer_types is not None:
             hf |= {"use_sliding_window": True, "sliding_window": self.sliding_window,
@@ -117,6 +131,8 @@ class ModelConfig:
             rope_scaling = dict(rope_scaling)
             rope_scaling.setdefault("rope_type", rope_scaling.get("type", "default"))
             rope_theta = rope_scaling.pop("rope_theta", None)
+            if rope_scaling.pop("partial_rotary_factor", 1.0) != 1.0:
+                raise ValueError("partial rotary embeddings (partial_rotary_factor below 1) are not supported")
             if rope_scaling["rope_type"] == "default" and set(rope_scaling) <= {"rope_type", "type"}:
                 rope_scaling = None
         else:
@@ -125,9 +141,9 @@ class ModelConfig:
             raise ValueError("models with MLP biases (mlp_bias=true) are not supported")
         max_len = hf.get("max_position_embeddings", 2048)
         # Mistral reads a window on every layer: the KV-cache manager releases what falls behind it
-        window = hf.get("sliding_window") if model_type == "mistral" else None
+        window = hf.get("sliding_window") if model_type in ("mistral", "phi3") else None
         layer_types = None
-        if model_type in ("qwen2", "qwen3") and hf.get("use_sliding_window") and hf.get("sliding_window"):
+        if model_type in ("qwen2", "qwen3", "smollm3") and hf.get("use_sliding_window") and hf.get("sliding_window"):
             # windows on the layers from max_window_layers up, as transformers lays them out
             n, first = hf["num_hidden_layers"], hf.get("max_window_layers", 28)
             types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
@@ -153,4 +169,13 @@ class ModelConfig:
             sliding_window=window or None,
             qk_norm=model_type == "qwen3",
             layer_types=layer_types,
+            rope_layers=_rope_layers(hf) if model_type == "smollm3" else None,
         )
+
+
+def _rope_layers(hf: dict[str, Any]) -> tuple[bool, ...]:
+    """SmolLM3's layers that rotate q and k: `no_rope_layers` (1 = RoPE), else every layer but each
+    `no_rope_layer_interval`-th, as transformers lays them out."""
+    n = hf["num_hidden_layers"]
+    flags = hf.get("no_rope_layers") or [(i + 1) % hf.get("no_rope_layer_interval", 4) != 0 for i in range(n)]
+    return tuple(bool(f) for f in flags)

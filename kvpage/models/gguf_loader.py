@@ -30,6 +30,7 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q, k and v in one matrix (split by the loader)
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
@@ -37,15 +38,17 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}  # Phi-3's ffn_up holds gate and up, fused
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")  # blk.N.attn_q.weight
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    names = _LAYER_NAMES | _ARCH_LAYER_NAMES.get(arch, {})
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
 
 
@@ -101,6 +104,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        sliding_window=meta.get(f"{arch}.attention.sliding_window") if arch == "phi3" else None,  # every layer
     )
 
 
@@ -131,7 +135,7 @@ def _read(path: Path, keep_blocks: bool):
     weights: dict[str, np.ndarray] = {}
     types: dict[str, str] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, cfg.architecture)
         keep = keep_blocks and t.tensor_type != GGMLQuantizationType.F32 and t.data.ndim == 2
         try:  # kept blocks are checked on their first row: a type gguf cannot read fails here, not at load
             w = np.asarray(dequantize(t.data[:1] if keep else t.data, t.tensor_type), dtype=np.float32)

@@ -1,4 +1,4 @@
-"""The LLaMA architecture (also Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV cache.
+"""The LLaMA architecture (also Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3) over the paged KV cache.
 
     tokens [T] -> embed -> L x ( x + attn(rmsnorm(x)),  x + mlp(rmsnorm(x)) ) -> rmsnorm -> lm_head
 
@@ -73,8 +73,9 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchLayerOps):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchLayerOps, rope: bool = True):
         super().__init__()
+        self.rope = rope  # False: a NoPE layer (SmolLM3), q and k as projected
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # q, k and v in one matmul: rows [0, q) are q, then k, then v
@@ -91,7 +92,12 @@ class Attention(nn.Module):
         qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         if self.q_norm is not None:
             qkv = self._norm_qk(qkv)
-        q, k, v = self.ops.qkv_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        if self.rope:
+            q, k, v = self.ops.qkv_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, v = (t.reshape(-1, n, self.head_dim) for t, n in zip(
+                qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1),
+                (self.num_heads, self.num_kv_heads, self.num_kv_heads), strict=True))  # fmt: skip
         o = self.backend.forward(q, k, v, kv, meta, self.scale)
         return self.ops.linear(o.reshape(-1, self.q_size), self.o_proj.weight)
 
@@ -121,11 +127,11 @@ class DecoderLayer(nn.Module):
     norm (add_rms_norm): a layer takes the residual stream and the previous layer's MLP output still
     to be added, and returns the same pair."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchLayerOps, comm=None):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchLayerOps, comm=None, index: int = 0):
         super().__init__()
         self.comm = comm  # a tensor-parallel shard's group: o_proj and down_proj are row-parallel
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend, ops)
+        self.self_attn = Attention(cfg, backend, ops, rope=cfg.rope_layers is None or cfg.rope_layers[index])
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, ops)
         self.ops = ops
@@ -169,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
         # imports torch._dynamo and triton, 143 MB resident)
         table = torch.empty(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, ops, comm) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, ops, comm, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

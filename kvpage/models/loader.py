@@ -168,8 +168,21 @@ def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, device: str, back
     # made in `dtype` at once: each weight is rounded as it is copied in (as .to(dtype) would round it),
     # with no float32 copy of the whole model on the way
     model.to_empty(device=device)
-    model.load_weights((name, shard.narrow(name, t, cfg)) for name, t in weights)
+    model.load_weights((name, shard.narrow(name, t, cfg)) for name, t in split_fused(weights, cfg))
     return model.eval().requires_grad_(False)
+
+
+def split_fused(weights, cfg: ModelConfig):
+    """(name, tensor) pairs with Phi-3's fused projections (`qkv_proj`, `gate_up_proj`, as its checkpoints
+    hold them) split into the names of every other family, so that sharding and loading see one layout."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for name, t in weights:
+        if ".qkv_proj." in name:
+            yield from zip([name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")], t.split([q, kv, kv]))
+        elif ".gate_up_proj." in name:
+            yield from zip([name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")], t.chunk(2))
+        else:
+            yield name, t
 
 
 def dummy_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:

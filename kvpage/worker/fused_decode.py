@@ -40,7 +40,8 @@ class FusedDecode:
         cache layout and decode are the compiled kernels': `AttentionBackend.fuses_decode`)."""
         return (
             isinstance(model.ops, KernelLayerOps)
-            and not model.config.qk_norm  # (the compiled layers have no per-head norm of q and k)
+            and not model.config.qk_norm  # (the compiled layers have no per-head norm of q and k,
+            and model.config.rope_layers is None  # and rotate q and k on every layer)
             and all(layer.self_attn.backend.fuses_decode for layer in model.layers)
         )
 

@@ -26,6 +26,12 @@ CASES = {
     # a window on layer 1 only (transformers: layers from max_window_layers up slide)
     "qwen2-window": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
                                          sliding_window=8, max_window_layers=1)),
+    # q/k/v and gate/up fused in the checkpoint, a window on every layer
+    "phi3-fused": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    # no RoPE on layer 1 ("NoPE", every second layer here)
+    "smollm3-nope": ("SmolLM3Config", dict(num_attention_heads=4, num_key_value_heads=2, no_rope_layer_interval=2,
+                                           pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "rope-linear": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
                                         rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0})),
     "rope-llama3": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters=LLAMA3)),
@@ -51,9 +57,10 @@ def test_config_branches_are_read(pair):
     cfg = ours.config
     assert cfg.attention_bias == name.startswith("qwen2")
     assert (cfg.num_kv_heads == cfg.num_heads) == (name == "llama-mha")
-    assert cfg.tie_word_embeddings == (name == "llama-mqa")
+    assert cfg.tie_word_embeddings == (name in ("llama-mqa", "smollm3-nope"))
     assert ((cfg.rope_scaling or {}).get("rope_type")) == {"rope-linear": "linear", "rope-llama3": "llama3"}.get(name)
-    assert cfg.sliding_window == (8 if name in ("mistral-window", "qwen2-window") else None)
+    assert cfg.sliding_window == (8 if name in ("mistral-window", "qwen2-window", "phi3-fused") else None)
+    assert cfg.rope_layers == ((True, False) if name == "smollm3-nope" else None)
     assert cfg.layer_types == (("full_attention", "sliding_attention") if name == "qwen2-window" else None)
     assert cfg.qk_norm == (name == "qwen3-qk-norm")
 
@@ -119,8 +126,9 @@ def test_in_batch_prefix_hit_matches_transformers(pair):
     assert_pool_clean(mgr)
 
 
-# llama.cpp's architectures for these families (its Mistral GGUFs carry no window; llama3 RoPE is a tensor)
-GGUF_CASES = {"llama-mha", "llama-mqa", "qwen2-bias", "qwen3-qk-norm", "rope-linear"}
+# llama.cpp's architectures for these families (its Mistral GGUFs carry no window; llama3 RoPE is a tensor;
+# SmolLM3's NoPE layers and Qwen2's windows are not read from a GGUF yet)
+GGUF_CASES = {"llama-mha", "llama-mqa", "qwen2-bias", "qwen3-qk-norm", "rope-linear", "phi3-fused"}
 
 
 @pytest.mark.same_on_every_kind  # the loader's part
@@ -137,7 +145,7 @@ def test_the_same_model_written_as_gguf_loads_the_same_model(pair, tmp_path):
     write_gguf_of(Path(ours.source), tmp_path / "model.gguf")
     from_gguf = load_model(str(tmp_path / "model.gguf"), dtype="float32", use_cache=False)
     for field in ("architecture", "num_heads", "num_kv_heads", "head_dim", "attention_bias", "qk_norm",
-                  "tie_word_embeddings", "rope_theta", "rope_scaling"):  # fmt: skip
+                  "tie_word_embeddings", "rope_theta", "rope_scaling", "sliding_window"):  # fmt: skip
         assert getattr(from_gguf.config, field) == getattr(ours.config, field), field
     assert from_gguf.config.rms_norm_eps == pytest.approx(ours.config.rms_norm_eps, rel=1e-7)  # (a float32 there)
     a, b = dict(ours.model.named_parameters()), dict(from_gguf.model.named_parameters())

@@ -113,7 +113,7 @@ def write_gguf_of(hf_dir: Path, path: Path) -> None:
 
     hf = json.loads((hf_dir / "config.json").read_text())
     arch = hf["model_type"]
-    assert arch in ("llama", "qwen2", "qwen3"), arch
+    assert arch in ("llama", "qwen2", "qwen3", "phi3"), arch
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     kv_heads = hf.get("num_key_value_heads") or heads
     w = GGUFWriter(str(path), arch)
@@ -131,6 +131,8 @@ def write_gguf_of(hf_dir: Path, path: Path) -> None:
         w.add_rope_scaling_type(__import__("gguf").RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
     w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    if arch == "phi3" and hf.get("sliding_window"):
+        w.add_sliding_window(hf["sliding_window"])
     w.add_vocab_size(hf["vocab_size"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt2")
@@ -139,7 +141,7 @@ def write_gguf_of(hf_dir: Path, path: Path) -> None:
     w.add_token_merges([])
     w.add_eos_token_id(hf["vocab_size"] - 1)
     to_gguf = {v: k for k, v in _GLOBAL_NAMES.items()}
-    layer_parts = {v: k for k, v in _LAYER_NAMES.items()}
+    layer_parts = {v: k for k, v in _LAYER_NAMES.items()} | {"mlp.gate_up_proj": "ffn_up"}  # (Phi-3's fused)
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
         if name in to_gguf:
             out = to_gguf[name]
