@@ -38,18 +38,23 @@ CASES = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def pair(request, tmp_path_factory):
+def _saved(name: str, path: Path):
+    """transformers' random model of case `name`, saved in `path` as a Hugging Face directory."""
     import transformers
 
-    config_cls, kw = CASES[request.param]
+    config_cls, kw = CASES[name]
     cfg = getattr(transformers, config_cls)(**SMALL, **kw)
     torch.manual_seed(0)
     hf = getattr(transformers, config_cls.replace("Config", "ForCausalLM"))(cfg).eval()
-    path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
-    ours = load_model(str(path), dtype="float32")
-    return request.param, hf, ours
+    return hf
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def pair(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = _saved(request.param, path)
+    return request.param, hf, load_model(str(path), dtype="float32")
 
 
 def test_config_branches_are_read(pair):
@@ -150,6 +155,31 @@ def test_the_same_model_written_as_gguf_loads_the_same_model(pair, tmp_path):
     assert from_gguf.config.rms_norm_eps == pytest.approx(ours.config.rms_norm_eps, rel=1e-7)  # (a float32 there)
     a, b = dict(ours.model.named_parameters()), dict(from_gguf.model.named_parameters())
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.same_on_every_kind  # the loader's part
+def test_fused_projections_shard_as_the_same_weights_split(tmp_path):
+    """Phi-3's checkpoint fuses q/k/v and gate/up: each tensor-parallel rank's weights are those the same
+    checkpoint with the projections split (every other family's names) gives it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kvpage.distributed.shard import Shard
+    from kvpage.models.loader import split_fused
+
+    fused, split = tmp_path / "fused", tmp_path / "split"
+    _saved("phi3-fused", fused)
+    cfg = load_model(str(fused), dtype="float32").config
+    shutil.copytree(fused, split)
+    weights = load_file(str(fused / "model.safetensors"))
+    assert any(".qkv_proj." in n for n in weights) and any(".gate_up_proj." in n for n in weights)
+    save_file({n: t.contiguous() for n, t in split_fused(weights.items(), cfg)}, str(split / "model.safetensors"))
+    for rank in (0, 1):
+        a, b = (dict(load_model(str(d), dtype="float32", shard=Shard(rank, 2)).model.named_parameters())
+                for d in (fused, split))  # fmt: skip
+        assert a["layers.0.self_attn.qkv_proj.weight"].shape[0] == (4 + 2 * 2) * 16 // 2  # this rank's heads
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_dummy_weights_are_seeded_and_shaped():
