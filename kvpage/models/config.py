@@ -8,7 +8,7 @@ from typing import Any
 from kvpage.core.kv_bytes import kv_bytes_per_token
 from kvpage.core.kv_spec import FULL, LayerSpec, SlidingWindow, layer_specs
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -37,6 +37,14 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None
     # which layers rotate q and k (SmolLM3's `no_rope_layers`: 1 = RoPE, 0 = none, "NoPE"); None: every layer
     rope_layers: tuple[bool, ...] | None = None
+    # Gemma 3: GELU (tanh) gating, an attention scale of query_pre_attn_scalar ** -0.5, embeddings times
+    # sqrt(hidden), norms around both branches of a layer (weights stored as 1 + w), and the sliding
+    # layers' own RoPE base
+    hidden_act: str = "silu"
+    query_scale: float | None = None  # None: head_dim ** -0.5
+    embed_scale: float | None = None
+    sandwich_norms: bool = False
+    local_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -91,6 +99,7 @@ class ModelConfig:
                     "mistral": "MistralForCausalLM",
                     "phi3": "Phi3ForCausalLM",
                     "smollm3": "SmolLM3ForCausalLM",
+                    "gemma3_text": "Gemma3ForCausalLM",
                 }.get(self.architecture, "LlamaForCausalLM")
             ],
             "model_type": self.architecture,
@@ -126,6 +135,8 @@ class ModelConfig:
         model_type = hf.get("model_type", "llama")
         heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
+        if model_type == "gemma3_text":
+            return _gemma3(cls, hf)
         rope_scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
         if rope_scaling is not None:
             rope_scaling = dict(rope_scaling)
@@ -171,6 +182,52 @@ class ModelConfig:
             layer_types=layer_types,
             rope_layers=_rope_layers(hf) if model_type == "smollm3" else None,
         )
+
+
+def _gemma3(cls, hf: dict[str, Any]) -> ModelConfig:
+    """Gemma 3's text model (Gemma3TextConfig): windows on five layers of six, each kind its own RoPE."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise ValueError(f"Gemma with {key} is not supported yet")
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"Gemma with hidden_activation {hf['hidden_activation']!r} is not supported")
+    n, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    pattern = hf.get("sliding_window_pattern", 6)
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    rope = hf.get("rope_parameters") or {}
+    full, local = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
+    full_theta, local_theta = full.pop("rope_theta", 1_000_000.0), local.pop("rope_theta", 10_000.0)
+    if local.get("rope_type", "default") != "default":
+        raise ValueError("Gemma's sliding layers with a scaled RoPE are not supported")
+    scaling = full if full.get("rope_type", "default") != "default" else None
+    eos = hf.get("eos_token_id", 1)
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    return cls(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(full_theta),
+        rope_scaling=scaling,
+        max_position_embeddings=hf.get("max_position_embeddings", 131_072),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        architecture="gemma3_text",
+        bos_token_id=hf.get("bos_token_id", 2),
+        eos_token_ids=[] if eos is None else (list(eos) if isinstance(eos, list) else [eos]),
+        sliding_window=hf.get("sliding_window") if "sliding_attention" in types else None,
+        qk_norm=True,
+        layer_types=tuple(types) if "sliding_attention" in types else None,
+        hidden_act="gelu_pytorch_tanh",
+        query_scale=float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+        embed_scale=float(hf["hidden_size"]) ** 0.5,
+        sandwich_norms=True,
+        local_rope_theta=float(local_theta),
+    )
 
 
 def _rope_layers(hf: dict[str, Any]) -> tuple[bool, ...]:

@@ -129,6 +129,10 @@ class TorchLayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up):  # Gemma's GeGLU (gelu_pytorch_tanh); the torch path on every kind
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def linear(self, x, weight, bias=None):
         if isinstance(weight, QuantizedWeight):  # slow but exact: widen the whole weight each call
             return F.linear(x, weight.dequantize().to(x.dtype), bias)

@@ -1,4 +1,4 @@
-"""The LLaMA architecture (also Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3) over the paged KV cache.
+"""The LLaMA architecture (also Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 3) over the paged KV cache.
 
     tokens [T] -> embed -> L x ( x + attn(rmsnorm(x)),  x + mlp(rmsnorm(x)) ) -> rmsnorm -> lm_head
 
@@ -11,6 +11,7 @@ statistics) so float32 outputs agree with it to rounding.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 
@@ -81,7 +82,7 @@ class Attention(nn.Module):
         # q, k and v in one matmul: rows [0, q) are q, then k, then v
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = self.head_dim**-0.5
+        self.scale = cfg.query_scale or self.head_dim**-0.5
         self.backend, self.ops = backend, ops
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:  # Qwen3: each head of q and of k RMS-normalized before RoPE, one weight per head dim
@@ -116,10 +117,12 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.ops = ops
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # Gemma's GeGLU, else SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.ops.linear(x, self.gate_up_proj.weight)
-        return self.ops.linear(self.ops.silu_mul(gate_up), self.down_proj.weight)
+        act = self.ops.gelu_tanh_mul(gate_up) if self.gelu else self.ops.silu_mul(gate_up)
+        return self.ops.linear(act, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -152,6 +155,37 @@ class DecoderLayer(nn.Module):
         return x, mlp
 
 
+class SandwichDecoderLayer(DecoderLayer):
+    """Gemma 3's layer: a norm before and after each branch, the branch's output normalized before it
+    is added (post_attention_layernorm is on the attention's output here, pre_feedforward_layernorm before
+    the MLP); the same (residual, pending delta) contract as DecoderLayer. Sliding layers take the
+    second RoPE table (the local base) when the model has one."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchLayerOps, comm=None, index: int = 0):
+        super().__init__(cfg, backend, ops, comm, index)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope_table = int(cfg.local_rope_theta is not None and cfg.layer_specs[index].kind == "sliding")
+
+    def forward(self, x, delta, cos, sin, kv: LayerKV, meta):
+        if cos.dim() == 3:  # [T, tables, d]: this layer's own
+            cos, sin = cos[:, self.rope_table].contiguous(), sin[:, self.rope_table].contiguous()
+        norm1, post1 = self.input_layernorm, self.post_attention_layernorm
+        norm2, post2 = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
+        if delta is None:
+            h = self.ops.rms_norm(x, norm1.weight, norm1.eps)
+        else:
+            x, h = self.ops.add_rms_norm(x, delta, norm1.weight, norm1.eps)
+        attn = self.self_attn(h, cos, sin, kv, meta)
+        if self.comm is not None:
+            self.comm.all_reduce(attn)
+        x, h = self.ops.add_rms_norm(x, self.ops.rms_norm(attn, post1.weight, post1.eps), norm2.weight, norm2.eps)
+        mlp = self.mlp(h)
+        if self.comm is not None:
+            self.comm.all_reduce(mlp)
+        return x, self.ops.rms_norm(mlp, post2.weight, post2.eps)
+
+
 class LlamaForCausalLM(nn.Module):
     # Hugging Face weights that we hold fused: HF name part -> (our fused parameter, shard index);
     # shards are stacked along dim 0 in index order (q, k, v; gate, up)
@@ -175,9 +209,16 @@ class LlamaForCausalLM(nn.Module):
         # imports torch._dynamo and triton, 143 MB resident)
         table = torch.empty(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, ops, comm, i) for i in range(cfg.num_layers))
+        layer = SandwichDecoderLayer if cfg.sandwich_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer(cfg, backend, ops, comm, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)
+        # Gemma 3's sliding layers: their own RoPE base, unscaled (a second table, [T, 2, d] with the first)
+        self.local_rotary = None
+        if cfg.local_rope_theta is not None:
+            self.local_rotary = RotaryEmbedding(
+                dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=None)
+            )
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_weight = None  # set by weight_quant.quantize_model
 
@@ -203,7 +244,13 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
         """(embeddings [T, hidden], cos, sin): what every layer starts from."""
         x = self.embed_tokens(input_ids)
-        return (x, *self.rotary(positions, x.dtype))
+        if self.config.embed_scale is not None:  # (Gemma: times sqrt(hidden), the factor in the activations' dtype)
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        cos, sin = self.rotary(positions, x.dtype)
+        if self.local_rotary is not None:
+            local = self.local_rotary(positions, x.dtype)
+            cos, sin = torch.stack([cos, local[0]], dim=1), torch.stack([sin, local[1]], dim=1)
+        return x, cos, sin
 
     def run_layers(self, x, cos, sin, kv_caches: list[LayerKV], meta: AttentionMetadata, hook: LayerHook | None = None):
         """Every decoder layer, then the final norm: hidden states [T, hidden]. A `hook` sees each

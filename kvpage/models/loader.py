@@ -166,7 +166,9 @@ def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, device: str, back
     with torch.device("meta"):
         model = LlamaForCausalLM(shard.local_config(cfg), attention, ops, comm)
     model.to_empty(device=device)
-    model.load_weights((name, shard.narrow(name, t, cfg)) for name, t in split_fused(weights, cfg))
+    model.load_weights(
+        (name, shard.narrow(name, t, cfg)) for name, t in unit_offset_norms(split_fused(weights, cfg), cfg)
+    )
     # made in float32, then rounded: a bfloat16 model made in its dtype at once (its weights allocated
     # before the load's float32 temporaries came and went) decoded 5-8% slower offline here, its weights
     # then each in its own small mapping rather than packed in the heap (benchmarks/RESULTS.md)
@@ -184,6 +186,13 @@ def split_fused(weights, cfg: ModelConfig):
             yield from zip([name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")], t.chunk(2))
         else:
             yield name, t
+
+
+def unit_offset_norms(weights, cfg: ModelConfig):
+    """Gemma's checkpoints store each RMSNorm weight as w of a norm that multiplies by 1 + w; kvpage's
+    norms multiply by their weight, so they hold 1 + w (the same float32 value Gemma adds at run time)."""
+    for name, t in weights:
+        yield name, (t.float() + 1.0 if cfg.sandwich_norms and name.endswith("norm.weight") else t)
 
 
 def dummy_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -30,6 +30,13 @@ CASES = {
     "phi3-fused": ("Phi3Config", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
                                       pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     # no RoPE on layer 1 ("NoPE", every second layer here)
+    # windows on layer 0, each kind its own RoPE (the global one scaled), q/k norm, GeGLU, sandwich norms
+    "gemma3": ("Gemma3TextConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
+                                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                            "rope_theta": 100000.0},
+                                                         "sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 500.0}})),
     "smollm3-nope": ("SmolLM3Config", dict(num_attention_heads=4, num_key_value_heads=2, no_rope_layer_interval=2,
                                            pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "rope-linear": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
@@ -45,7 +52,8 @@ def _saved(name: str, path: Path):
     config_cls, kw = CASES[name]
     cfg = getattr(transformers, config_cls)(**SMALL, **kw)
     torch.manual_seed(0)
-    hf = getattr(transformers, config_cls.replace("Config", "ForCausalLM"))(cfg).eval()
+    model_cls = {"Gemma3TextConfig": "Gemma3ForCausalLM"}.get(config_cls, config_cls.replace("Config", "ForCausalLM"))
+    hf = getattr(transformers, model_cls)(cfg).eval()
     hf.save_pretrained(path)
     return hf
 
@@ -62,12 +70,17 @@ def test_config_branches_are_read(pair):
     cfg = ours.config
     assert cfg.attention_bias == name.startswith("qwen2")
     assert (cfg.num_kv_heads == cfg.num_heads) == (name == "llama-mha")
-    assert cfg.tie_word_embeddings == (name in ("llama-mqa", "smollm3-nope"))
-    assert ((cfg.rope_scaling or {}).get("rope_type")) == {"rope-linear": "linear", "rope-llama3": "llama3"}.get(name)
-    assert cfg.sliding_window == (8 if name in ("mistral-window", "qwen2-window", "phi3-fused") else None)
+    assert cfg.tie_word_embeddings == (name in ("llama-mqa", "smollm3-nope", "gemma3"))
+    assert ((cfg.rope_scaling or {}).get("rope_type")) == {
+        "rope-linear": "linear",
+        "rope-llama3": "llama3",
+        "gemma3": "linear",
+    }.get(name)
+    assert cfg.sliding_window == (8 if name in ("mistral-window", "qwen2-window", "phi3-fused", "gemma3") else None)
     assert cfg.rope_layers == ((True, False) if name == "smollm3-nope" else None)
-    assert cfg.layer_types == (("full_attention", "sliding_attention") if name == "qwen2-window" else None)
-    assert cfg.qk_norm == (name == "qwen3-qk-norm")
+    assert cfg.layer_types == {"qwen2-window": ("full_attention", "sliding_attention"),
+                               "gemma3": ("sliding_attention", "full_attention")}.get(name)  # fmt: skip
+    assert cfg.qk_norm == (name in ("qwen3-qk-norm", "gemma3"))
 
 
 def test_logits_over_a_ragged_batch_match_transformers(pair):
