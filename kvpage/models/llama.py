@@ -140,7 +140,14 @@ class DecoderLayer(nn.Module):
         self.ops = ops
 
     def forward(self, x, delta, cos, sin, kv: LayerKV, meta):
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        x, attn = self._attention(x, delta, cos, sin, kv, meta)
+        norm2 = self.post_attention_layernorm
+        x, h = self.ops.add_rms_norm(x, attn, norm2.weight, norm2.eps)
+        return x, self._mlp(h)
+
+    def _attention(self, x, delta, cos, sin, kv: LayerKV, meta):
+        """(the residual with the pending delta added, the attention branch's output)."""
+        norm1 = self.input_layernorm
         if delta is None:
             h = self.ops.rms_norm(x, norm1.weight, norm1.eps)
         else:
@@ -148,11 +155,13 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(h, cos, sin, kv, meta)
         if self.comm is not None:
             self.comm.all_reduce(attn)  # the heads' partial sums of o_proj
-        x, h = self.ops.add_rms_norm(x, attn, norm2.weight, norm2.eps)
+        return x, attn
+
+    def _mlp(self, h):
         mlp = self.mlp(h)
         if self.comm is not None:
             self.comm.all_reduce(mlp)  # the MLP slices' partial sums of down_proj
-        return x, mlp
+        return mlp
 
 
 class SandwichDecoderLayer(DecoderLayer):
@@ -170,20 +179,14 @@ class SandwichDecoderLayer(DecoderLayer):
     def forward(self, x, delta, cos, sin, kv: LayerKV, meta):
         if cos.dim() == 3:  # [T, tables, d]: this layer's own
             cos, sin = cos[:, self.rope_table].contiguous(), sin[:, self.rope_table].contiguous()
-        norm1, post1 = self.input_layernorm, self.post_attention_layernorm
-        norm2, post2 = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
-        if delta is None:
-            h = self.ops.rms_norm(x, norm1.weight, norm1.eps)
-        else:
-            x, h = self.ops.add_rms_norm(x, delta, norm1.weight, norm1.eps)
-        attn = self.self_attn(h, cos, sin, kv, meta)
-        if self.comm is not None:
-            self.comm.all_reduce(attn)
+        x, attn = self._attention(x, delta, cos, sin, kv, meta)
+        post1, norm2, post2 = (
+            self.post_attention_layernorm,
+            self.pre_feedforward_layernorm,
+            self.post_feedforward_layernorm,
+        )
         x, h = self.ops.add_rms_norm(x, self.ops.rms_norm(attn, post1.weight, post1.eps), norm2.weight, norm2.eps)
-        mlp = self.mlp(h)
-        if self.comm is not None:
-            self.comm.all_reduce(mlp)
-        return x, self.ops.rms_norm(mlp, post2.weight, post2.eps)
+        return x, self.ops.rms_norm(self._mlp(h), post2.weight, post2.eps)
 
 
 class LlamaForCausalLM(nn.Module):
