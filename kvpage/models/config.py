@@ -41,7 +41,7 @@ class ModelConfig:
     # sqrt(hidden), norms around both branches of a layer (weights stored as 1 + w), and the sliding
     # layers' own RoPE base
     hidden_act: str = "silu"
-    query_scale: float | None = None  # None: head_dim ** -0.5
+    query_pre_attn_scalar: float | None = None  # the attention scale is its ** -0.5; None: head_dim
     embed_scale: float | None = None
     sandwich_norms: bool = False
     local_rope_theta: float | None = None
@@ -121,7 +121,14 @@ class ModelConfig:
         }
         if self.rope_layers is not None:
             hf["no_rope_layers"] = [int(r) for r in self.rope_layers]
-        if self.architecture in ("mistral", "phi3"):
+        if self.architecture == "gemma3_text":
+            full = {"rope_theta": self.rope_theta, **(self.rope_scaling or {"rope_type": "default"})}
+            local = {"rope_type": "default", "rope_theta": self.local_rope_theta}
+            hf |= {"hidden_activation": self.hidden_act, "query_pre_attn_scalar": self.query_pre_attn_scalar,
+                   "sliding_window": self.sliding_window,
+                   "layer_types": list(self.layer_types or ["full_attention"] * self.num_layers),
+                   "rope_parameters": {"full_attention": full, "sliding_attention": local}}  # fmt: skip
+        elif self.architecture in ("mistral", "phi3"):
             hf["sliding_window"] = self.sliding_window
         elif self.layer_types is not None:
             hf |= {"use_sliding_window": True, "sliding_window": self.sliding_window,
@@ -133,8 +140,6 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """From a Hugging Face config.json."""
         model_type = hf.get("model_type", "llama")
-        heads = hf["num_attention_heads"]
-        eos = hf.get("eos_token_id")
         if model_type == "gemma3_text":
             return _gemma3(cls, hf)
         rope_scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
@@ -150,7 +155,6 @@ class ModelConfig:
             rope_theta = None
         if hf.get("mlp_bias"):
             raise ValueError("models with MLP biases (mlp_bias=true) are not supported")
-        max_len = hf.get("max_position_embeddings", 2048)
         # Mistral reads a window on every layer: the KV-cache manager releases what falls behind it
         window = hf.get("sliding_window") if model_type in ("mistral", "phi3") else None
         layer_types = None
@@ -161,27 +165,37 @@ class ModelConfig:
             if "sliding_attention" in types:
                 window, layer_types = hf["sliding_window"], tuple(types)
         return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            **_shape(hf, max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None),
             rope_theta=float(hf.get("rope_theta") or rope_theta or 10000.0),
             rope_scaling=rope_scaling,
-            max_position_embeddings=max_len,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             architecture=model_type,
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=[] if eos is None else (list(eos) if isinstance(eos, list) else [eos]),
             sliding_window=window or None,
             qk_norm=model_type == "qwen3",
             layer_types=layer_types,
             rope_layers=_rope_layers(hf) if model_type == "smollm3" else None,
         )
+
+
+def _shape(hf: dict[str, Any], **defaults) -> dict[str, Any]:
+    """The ModelConfig fields every family reads from config.json alike (`defaults`: the family's
+    transformers defaults for the keys a config may leave out)."""
+    heads = hf["num_attention_heads"]
+    eos = hf.get("eos_token_id", defaults["eos_token_id"])
+    return dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=hf.get("max_position_embeddings", defaults["max_position_embeddings"]),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", defaults["tie_word_embeddings"])),
+        bos_token_id=hf.get("bos_token_id", defaults["bos_token_id"]),
+        eos_token_ids=[] if eos is None else (list(eos) if isinstance(eos, list) else [eos]),
+    )
 
 
 def _gemma3(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -191,7 +205,7 @@ def _gemma3(cls, hf: dict[str, Any]) -> ModelConfig:
             raise ValueError(f"Gemma with {key} is not supported yet")
     if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise ValueError(f"Gemma with hidden_activation {hf['hidden_activation']!r} is not supported")
-    n, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    n = hf["num_hidden_layers"]
     pattern = hf.get("sliding_window_pattern", 6)
     types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     rope = hf.get("rope_parameters") or {}
@@ -200,30 +214,18 @@ def _gemma3(cls, hf: dict[str, Any]) -> ModelConfig:
     if local.get("rope_type", "default") != "default":
         raise ValueError("Gemma's sliding layers with a scaled RoPE are not supported")
     scaling = full if full.get("rope_type", "default") != "default" else None
-    eos = hf.get("eos_token_id", 1)
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    shape = _shape(hf, max_position_embeddings=131_072, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1)
     return cls(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=n,
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=head_dim,
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        **shape,
         rope_theta=float(full_theta),
         rope_scaling=scaling,
-        max_position_embeddings=hf.get("max_position_embeddings", 131_072),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
         attention_bias=bool(hf.get("attention_bias", False)),
         architecture="gemma3_text",
-        bos_token_id=hf.get("bos_token_id", 2),
-        eos_token_ids=[] if eos is None else (list(eos) if isinstance(eos, list) else [eos]),
         sliding_window=hf.get("sliding_window") if "sliding_attention" in types else None,
         qk_norm=True,
         layer_types=tuple(types) if "sliding_attention" in types else None,
         hidden_act="gelu_pytorch_tanh",
-        query_scale=float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+        query_pre_attn_scalar=hf.get("query_pre_attn_scalar", shape["head_dim"]),
         embed_scale=float(hf["hidden_size"]) ** 0.5,
         sandwich_norms=True,
         local_rope_theta=float(local_theta),

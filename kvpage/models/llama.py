@@ -82,7 +82,7 @@ class Attention(nn.Module):
         # q, k and v in one matmul: rows [0, q) are q, then k, then v
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = cfg.query_scale or self.head_dim**-0.5
+        self.scale = float(cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.backend, self.ops = backend, ops
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:  # Qwen3: each head of q and of k RMS-normalized before RoPE, one weight per head dim
@@ -96,9 +96,13 @@ class Attention(nn.Module):
         if self.rope:
             q, k, v = self.ops.qkv_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         else:
-            q, k, v = (t.reshape(-1, n, self.head_dim) for t, n in zip(
-                qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1),
-                (self.num_heads, self.num_kv_heads, self.num_kv_heads), strict=True))  # fmt: skip
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            d = self.head_dim
+            q, k, v = (
+                q.reshape(-1, self.num_heads, d),
+                k.reshape(-1, self.num_kv_heads, d),
+                v.reshape(-1, self.num_kv_heads, d),
+            )
         o = self.backend.forward(q, k, v, kv, meta, self.scale)
         return self.ops.linear(o.reshape(-1, self.q_size), self.o_proj.weight)
 

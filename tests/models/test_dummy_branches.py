@@ -83,6 +83,13 @@ def test_config_branches_are_read(pair):
     assert cfg.qk_norm == (name in ("qwen3-qk-norm", "gemma3"))
 
 
+@pytest.mark.same_on_every_kind  # the config's part
+def test_the_config_written_back_reads_as_the_same(pair):
+    """`ModelConfig.to_hf` (what save_dummy_model writes) is read back by from_hf as the same config."""
+    cfg = pair[2].config
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
 def test_logits_over_a_ragged_batch_match_transformers(pair):
     """One forward: a decode, a fresh prefill and a chunk with cached context, against dense transformers."""
     _, hf, ours = pair
@@ -156,8 +163,6 @@ def test_the_same_model_written_as_gguf_loads_the_same_model(pair, tmp_path):
     name, _, ours = pair
     if name not in GGUF_CASES:
         pytest.skip(f"{name}: not written by llama.cpp's converter with what this test checks")
-    import transformers  # noqa: F401 - (the pair's directory was written by it)
-
     from tests.models.tiny_gguf import write_gguf_of
 
     write_gguf_of(Path(ours.source), tmp_path / "model.gguf")

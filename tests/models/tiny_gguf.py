@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFWriter
+from gguf import GGUFWriter, RopeScalingType
 from gguf.quants import quantize
 
 HIDDEN, FFN, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
@@ -128,7 +128,7 @@ def write_gguf_of(hf_dir: Path, path: Path) -> None:
     rope = hf.get("rope_parameters") or {}
     w.add_rope_freq_base(float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0))
     if rope.get("rope_type") == "linear":
-        w.add_rope_scaling_type(__import__("gguf").RopeScalingType.LINEAR)
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
     w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
     if arch == "phi3" and hf.get("sliding_window"):
