@@ -17,10 +17,11 @@ Every pair is tested from `Feature.example` alone and together (tests/test_compa
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvpage.core.eviction import NO_EVICTION, EvictionPolicy
+from kvpage.core.kv_spec import LayerSpec, SlidingWindow, group_layers
 from kvpage.errors import ParameterError
 
 
@@ -46,6 +47,7 @@ class Setup:
     segments: bool = False  # a prompt of segments (engine/segment_prompts.py)
     recompute_ratio: float = 0.0  # CacheBlend's share (segments)
     window: int = 0  # the model's layers read a sliding window of this many keys (known once it is loaded)
+    kv_groups: int = 1  # the model's KV-cache groups (core/kv_spec.py: several where its layers' kinds mix)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +96,8 @@ READ_BUDGET = Feature("a read budget", lambda s: s.read_budget > 0, {"read_budge
 SEGMENTS = Feature("a prompt of segments", lambda s: s.segments, {"segments": True})
 RECOMPUTE_RATIO = Feature("selective recompute", lambda s: s.recompute_ratio > 0, {"recompute_ratio": 0.3})
 WINDOW = Feature("a sliding-window model", lambda s: s.window > 0, {"window": 4096})
+GROUPS = Feature("a model of several KV-cache groups", lambda s: s.kv_groups > 1, {"kv_groups": 2})
+VERIFY_KV = Feature("verify_kv_every", lambda s: s.verify_kv, {"verify_kv": True})
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,10 +165,28 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda s: f"a prompt of segments does not go with a sliding-window model (window {s.window}) yet"),
     Refusal(DETERMINISTIC, WINDOW, "deterministic",
             _det(lambda s: f"a sliding-window model (window {s.window}): its attention takes the torch path")),
+    Refusal(CPU_OFFLOAD, GROUPS, "cpu_offload_memory",
+            lambda s: f"cpu_offload_memory does not go with a model of {s.kv_groups} KV-cache groups (layers of "
+                      "mixed kinds) yet: the CPU tier keeps one group's blocks"),
+    Refusal(REMOTE_KV, GROUPS, "remote_kv",
+            lambda s: f"remote_kv does not go with a model of {s.kv_groups} KV-cache groups (layers of mixed "
+                      "kinds) yet: the shared tier keeps one group's blocks"),
+    Refusal(VERIFY_KV, GROUPS, "verify_kv_every",
+            lambda s: f"verify_kv_every does not go with a model of {s.kv_groups} KV-cache groups yet: the check "
+                      "recomputes one group's blocks"),
+    Refusal(TENSOR_PARALLEL, GROUPS, "tensor_parallel_size",
+            lambda s: f"tensor_parallel_size > 1 does not go with a model of {s.kv_groups} KV-cache groups yet"),
     Refusal(TENSOR_PARALLEL, VERIFY_KV_DET, "verify_kv_every",
             lambda s: "tensor_parallel_size > 1 does not go with verify_kv_every under deterministic (the check "
                       "recomputes prefixes on rank 0 alone)"),
 )  # fmt: skip
+
+
+def model_facts(specs: Sequence[LayerSpec]) -> dict:
+    """What a loaded model brings to the table (its layers' specs, core/kv_spec.py): its widest sliding
+    window, and its KV-cache groups."""
+    windows = [s.window for s in specs if isinstance(s, SlidingWindow)]
+    return {"window": max(windows, default=0), "kv_groups": len(group_layers(specs))}
 
 
 def refusal_of(setup: Setup) -> tuple[Refusal, str] | None:

@@ -42,6 +42,8 @@ class Admission:
     reason: str | None = None  # set for NEVER: a sentence for the user
     prefix: CachedPrefix | None = None  # the lead's hits, valid until the pool changes
     shared_blocks: list[int] = field(default_factory=list)  # per sequence: leading blocks shared with the lead
+    # a model of several KV-cache groups: each group's hits (`prefix` is group 0's), all of one length
+    groups: list[CachedPrefix] = field(default_factory=list)
 
 
 class BlockBudget:
@@ -67,10 +69,22 @@ class BlockBudget:
         shares with the lead, 0 for the lead), the lead hitting `prefix` (GPU `hits`; `unqueued`:
         free blocks taking it takes off the queue), get all their slots now, later, or never?
         NEVER: not even in an empty pool."""
+        total = self.total_blocks(lengths, shared, prefix)
+        return self.decide(lengths, total, total - len(hits), keep_watermark=keep_watermark, unqueued=unqueued,
+                           prefix=prefix, shared=shared)  # fmt: skip
+
+    def total_blocks(self, lengths: Sequence[int], shared: Sequence[int], prefix: CachedPrefix | None) -> int:
+        """Blocks the sequences hold once admitted (hits included; holes of the layers' window not)."""
         bs = self.block_size
         total = cdiv(lengths[0], bs) + sum(cdiv(n, bs) - m for n, m in zip(lengths[1:], shared[1:]))
-        total -= prefix.released if prefix is not None else 0  # holes: what the layers' window does not need
-        needed = total - len(hits)  # a hit on the CPU tier (or a partial one) takes a new block too
+        return total - (prefix.released if prefix is not None else 0)
+
+    def decide(self, lengths: Sequence[int], total: int, needed: int, *, keep_watermark: bool, unqueued: int,
+               prefix: CachedPrefix | None, shared: Sequence[int], groups: list | None = None,
+               ) -> Admission:  # fmt: skip
+        """NOW, LATER or NEVER for sequences that hold `total` blocks, `needed` of them new (a hit on
+        the CPU tier, or a partial one, takes a new block too); every KV-cache group's counted in."""
+        bs = self.block_size
         available = self.available(keep_watermark=keep_watermark, freed=unqueued)
         if total > self.pool.num_total:
             seqs = f"its {len(lengths)} sequences need" if len(lengths) > 1 else "it needs"
@@ -78,9 +92,9 @@ class BlockBudget:
                 f"{seqs} {total} blocks of {bs} tokens for {sum(lengths)} tokens, "
                 f"but the whole cache holds {self.pool.num_total} blocks"
             )
-            return Admission(AdmissionStatus.NEVER, needed, available, reason, prefix, list(shared))
+            return Admission(AdmissionStatus.NEVER, needed, available, reason, prefix, list(shared), groups or [])
         status = AdmissionStatus.NOW if needed <= available else AdmissionStatus.LATER
-        return Admission(status, needed, available, None, prefix, list(shared))
+        return Admission(status, needed, available, None, prefix, list(shared), groups or [])
 
     def shared_with_lead(self, token_lists: Sequence[Sequence[int]]) -> list[int]:
         """Per sequence: the lead's leading full blocks it shares (never its own last token's)."""

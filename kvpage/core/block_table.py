@@ -46,6 +46,7 @@ class BlockTable:
     # logical index -> (precision, block id in that precision's pool): holes kept at a lower precision
     demoted: dict[int, tuple[str, int]] = field(default_factory=dict)
     released: int = 0  # leading entries the layers' window released (holes no later query reads)
+    group: int = 0  # the KV-cache group whose layers' blocks it names (kv_spec.py: its digests name it)
 
     @property
     def resident(self) -> list[int]:
@@ -98,6 +99,7 @@ class BlockTable:
             num_registered=min(self.num_registered, num_blocks),
             demoted={i: d for i, d in self.demoted.items() if i < num_blocks},
             released=min(self.released, num_blocks),
+            group=self.group,
         )
 
     def remap(self, mapping: dict[int, int], *, on_cpu: bool) -> None:
@@ -160,7 +162,9 @@ def check_tables(tables: dict[Hashable, BlockTable], gpu: BlockPool, cpu: BlockP
             chain = []
             for i in range(n // bs):
                 chunk = tokens[i * bs : (i + 1) * bs]
-                chain.append(hash_block(chain[-1] if chain else None, chunk, extra_keys_for(i, table.cache_salt)))
+                chain.append(
+                    hash_block(chain[-1] if chain else None, chunk, extra_keys_for(i, table.cache_salt, table.group))
+                )
             check(
                 table.block_hashes == chain[: len(table.block_hashes)],
                 lambda: f"{seq_id}: chain digests of other tokens",

@@ -79,6 +79,7 @@ class CachedPrefix:
     partial: PartialHit | None = None
     awaiting_fetch: bool = False  # the rest was asked of the shared tier: worth waiting a step for
     released: int = 0  # leading entries the layers' window does not need (holes of the new table)
+    group: int = 0  # the KV-cache group it was looked up in (its digests name it)
 
 
 @dataclass(slots=True)
@@ -93,9 +94,9 @@ class TierTransfers:
 
 class PrefixRegistry:
     def __init__(self, pool: BlockPool, block_size: int, num_tier_blocks: int = 0, remote: RemoteTier | None = None,
-                 spec: LayerSpec = FULL) -> None:  # fmt: skip
+                 specs: Sequence[LayerSpec] = (FULL,)) -> None:  # fmt: skip
         self.pool = pool
-        self.spec = spec
+        self.specs = tuple(specs)  # what each KV-cache group's layers read (kv_spec.py)
         self.cache: PrefixCache | None = pool.prefix_cache  # None: prefix caching is off
         self.block_size = block_size
         self.events = KVEventLog(block_size)  # what this cache holds, announced as it changes (kv_events.py)
@@ -139,7 +140,9 @@ class PrefixRegistry:
             return prefix
         bs = self.block_size
         servable = token_ids[: max(0, len(token_ids) - 1) // bs * bs]  # the same digests a fleet router computes
-        if not isinstance(self.spec, FullAttention):
+        if len(self.specs) > 1:
+            raise ValueError("a model of several KV-cache groups looks its prompts up in all of them: find_groups")
+        if not isinstance(self.specs[0], FullAttention):
             self._find_window(prefix, servable, cache_salt)
             self._find_partial(prefix, token_ids)
             prefix.num_tokens = len(prefix.block_ids) * bs + (prefix.partial.num_tokens if prefix.partial else 0)
@@ -166,16 +169,51 @@ class PrefixRegistry:
 
     def _find_window(self, prefix: CachedPrefix, servable: Sequence[int], cache_salt: str | None) -> None:
         """`find` for a window's spec: every block looked up, the longest resumable prefix taken."""
+        digests, found = self._look_up_all(servable, cache_salt, prefix.group)
+        k = longest_hit(self.specs[prefix.group], [f is not None for f in found], self.block_size)
+        self._take_hit(prefix, digests, found, k)
+
+    def find_groups(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[CachedPrefix]:
+        """A prompt's hits in every KV-cache group at once, all of one length: the longest prefix every
+        group can resume after (a full-attention group holds all its blocks, a window's group the
+        blocks its first query reads). Each group's longest hit at most k lowers k until none does
+        (vLLM's hybrid coordinator's fixed point; each group's hits are monotone in k). No partial
+        hit, no shared tier: one group's lookups (`find`) have those."""
+        prefixes = [CachedPrefix([], [], 0, len(token_ids), cache_salt, group=g) for g in range(len(self.specs))]
+        if self.cache is None:
+            return prefixes
+        bs = self.block_size
+        servable = token_ids[: max(0, len(token_ids) - 1) // bs * bs]
+        looked = [self._look_up_all(servable, cache_salt, g) for g in range(len(self.specs))]
+        present = [[f is not None for f in found] for _, found in looked]
+        k = len(servable) // bs
+        while (low := min(longest_hit(spec, p, bs, k) for spec, p in zip(self.specs, present, strict=True))) < k:
+            k = low
+        for prefix, (digests, found) in zip(prefixes, looked, strict=True):
+            self._take_hit(prefix, digests, found, k)
+            prefix.num_tokens = k * bs
+        return prefixes
+
+    def _look_up_all(self, servable: Sequence[int], cache_salt: str | None,
+                     group: int) -> tuple[list[bytes], list[tuple[str, int] | None]]:  # fmt: skip
+        """Every full block of `servable` looked up in a group: its digests, and where each block is
+        held (("gpu", block id), ("tier", tier block)) or None."""
         bs, found = self.block_size, []
-        digests = list(block_digests(servable, bs, cache_salt))
+        digests = list(block_digests(servable, bs, cache_salt, group))
         for i, digest in enumerate(digests):
             chunk = tuple(servable[i * bs : (i + 1) * bs])
             block = self.cache.lookup(digest, chunk)  # type: ignore[union-attr]
             found.append(("gpu", block.block_id) if block is not None else None)
             if block is None and (tier_block := self.tier.lookup(digest, chunk)) is not None:
                 found[-1] = ("tier", tier_block)
-        k = longest_hit(self.spec, [f is not None for f in found], bs)
-        prefix.released = needed_from(self.spec, k * bs, bs)
+        return digests, found
+
+    def _take_hit(self, prefix: CachedPrefix, digests: list[bytes], found: list[tuple[str, int] | None],
+                  k: int) -> None:  # fmt: skip
+        """`prefix` = the first k blocks looked up, those before what its group's layers then read
+        left as holes."""
+        bs = self.block_size
+        prefix.released = needed_from(self.specs[prefix.group], k * bs, bs)
         prefix.block_hashes = digests[:k]
         for i in range(k):
             where, b = found[i] if i >= prefix.released else (None, None)  # type: ignore[misc]
@@ -290,20 +328,21 @@ class PrefixRegistry:
             self.pool.add_tokens(copy, prefix.partial.num_tokens)  # type: ignore[union-attr]
             block_ids.append(copy.block_id)
             copies.append((source.block_id, copy.block_id))
-        if self.cache is not None and prefix.num_query_tokens:
+        if self.cache is not None and prefix.num_query_tokens and not prefix.group:  # (counted once a prompt)
             self.cache.num_query_tokens += prefix.num_query_tokens
             self.cache.num_hit_tokens += prefix.num_tokens
         table = BlockTable(block_ids, prefix.num_tokens, prefix.cache_salt, list(prefix.block_hashes), n,
-                           released=prefix.released)  # fmt: skip
+                           released=prefix.released, group=prefix.group)  # fmt: skip
         return table, copies
 
     def _skip_unread(self, prefix: CachedPrefix) -> None:
         """Under a window, the hit blocks the new table's first query will not read become holes before
         anything is taken (a partial hit resumes past more of them than the full blocks did; a drop
         of it, fewer): neither referenced nor restored from the tier."""
-        if isinstance(self.spec, FullAttention):
+        spec = self.specs[prefix.group]
+        if isinstance(spec, FullAttention):
             return
-        upto = min(needed_from(self.spec, prefix.num_tokens, self.block_size), len(prefix.block_ids))
+        upto = min(needed_from(spec, prefix.num_tokens, self.block_size), len(prefix.block_ids))
         for i in range(prefix.released, upto):
             prefix.block_ids[i] = None
             prefix.tier_block_ids.pop(i, None)
@@ -341,10 +380,10 @@ class PrefixRegistry:
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             parent = table.block_hashes[i - 1] if i else None
             if i == len(table.block_hashes):
-                table.block_hashes.append(hash_block(parent, chunk, extra_keys_for(i, table.cache_salt)))
+                table.block_hashes.append(hash_block(parent, chunk, extra_keys_for(i, table.cache_salt, table.group)))
             if table.block_ids[i] is None:  # released by the window before it was offered
                 continue
-            key = CacheKey(table.block_hashes[i], parent, chunk, extra_keys_for(i, table.cache_salt))
+            key = CacheKey(table.block_hashes[i], parent, chunk, extra_keys_for(i, table.cache_salt, table.group))
             self._register(self.pool.blocks[table.block_ids[i]], key)
         table.num_registered = max(table.num_registered, num_full)
 

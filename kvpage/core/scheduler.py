@@ -244,6 +244,7 @@ class Scheduler(Intake):
                 num_evicted=step.num_evicted,
                 want_mass=req.eviction.wants_mass,
                 cold_blocks=step.cold_blocks,
+                group_tables=step.group_tables,
             )
             seq.plan.annotate(entry, seq, copied)  # (what its features tell the worker)
             out.sequences.append(entry)

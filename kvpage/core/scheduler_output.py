@@ -53,6 +53,9 @@ class ScheduledSequence:
     # Demoted blocks (core/eviction/): attention also reads these, after the table's, (precision,
     # block id in that precision's pool); H2O's mass comes back for them after the table's entries.
     cold_blocks: list[tuple[str, int]] = field(default_factory=list)
+    # A model of several KV-cache groups (core/kv_spec.py): the tables of the groups after the first,
+    # each (resident blocks, tokens its window released before them); `block_table` is group 0's.
+    group_tables: list[tuple[list[int], int]] = field(default_factory=list)
 
     @property
     def kv_len(self) -> int:

@@ -132,7 +132,7 @@ def build_shard(config: EngineConfig, group=None) -> ShardParts:
     try:
         loaded = load_model(config.model, dtype=dtype, device=config.device, backend=config.attention_backend,
                             weight_dtype=config.weight_dtype, shard=shard, comm=group)  # fmt: skip
-        compat.check(config.setup(window=loaded.config.sliding_window or 0))  # what the model brings
+        compat.check(config.setup(**compat.model_facts(loaded.config.layer_specs)))  # what the model brings
         if config.deterministic:
             make_batch_invariant(loaded.model)
         local = loaded.model.config  # this rank's heads: its KV is 1/N of the whole (times any replication)
@@ -196,7 +196,8 @@ def _build(config: EngineConfig, group) -> EngineParts:
     kv_manager = KVCacheManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks,
                                 enable_prefix_caching=config.enable_prefix_caching, watermark=config.watermark,
                                 bytes_per_block=per_block, num_tier_blocks=num_tier_blocks,
-                                remote=remote, cold_blocks=cold, layer_spec=loaded.config.layer_spec)  # fmt: skip
+                                remote=remote, cold_blocks=cold, layer_spec=loaded.config.layer_spec,
+                                group_specs=[g.spec for g in loaded.config.kv_groups])  # fmt: skip
     scheduler = Scheduler(kv_manager, max_num_seqs=config.max_num_seqs,
                           max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=max_model_len,
                           preemption_mode=config.preemption_mode)  # fmt: skip

@@ -115,7 +115,7 @@ class LLMEngine:
         pools = bool(self.kv_manager.eviction.cold)
         compat.check(self.config.setup(eviction=eviction, demote_pools=pools, read_budget=budget or 0,
                                        segments=bool(spans), recompute_ratio=ratio,
-                                       window=self.model_config.sliding_window or 0))  # fmt: skip
+                                       **compat.model_facts(self.model_config.layer_specs)))  # fmt: skip
         if budget:
             check_budget(budget, self.kv_cache.block_size)
         want_plp = not is_beam and params.prompt_logprobs is not None

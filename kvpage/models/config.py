@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpage.core.kv_bytes import kv_bytes_per_token
-from kvpage.core.kv_spec import FULL, LayerSpec, SlidingWindow, layer_specs
+from kvpage.core.kv_spec import FULL, KVGroup, LayerSpec, SlidingWindow, group_layers, layer_specs
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -75,11 +75,14 @@ class ModelConfig:
         return layer_specs(self.num_layers, sliding_window=self.sliding_window, layer_types=self.layer_types)
 
     @property
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        """The KV-cache groups of its layers (core/kv_spec.py: one for a model whose layers are alike)."""
+        return group_layers(self.layer_specs)
+
+    @property
     def layer_spec(self) -> LayerSpec:
-        """What the KV-cache manager keeps for every layer: the layers' one spec when they are all alike;
-        full attention when kinds are mixed (Qwen2's windows on its upper layers): every block is held
-        until the manager keeps a block table per group of layers (docs/layer-kinds.md), while each
-        layer's attention still reads only its own window."""
+        """The layers' one spec when they are all alike; full attention when kinds are mixed (then the
+        KV-cache manager keeps a block table per group: `kv_groups`)."""
         specs = set(self.layer_specs)
         return specs.pop() if len(specs) == 1 else FULL
 

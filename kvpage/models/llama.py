@@ -243,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[LayerKV],  # per layer
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],  # per layer where its KV-cache groups differ
         hook: LayerHook | None = None,  # runs around each layer (the model runner's step hooks give it)
     ) -> torch.Tensor:  # hidden states [T, hidden]
         return self.run_layers(*self.embed(input_ids, positions), kv_caches, meta, hook)
@@ -259,15 +259,17 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = torch.stack([cos, local[0]], dim=1), torch.stack([sin, local[1]], dim=1)
         return x, cos, sin
 
-    def run_layers(self, x, cos, sin, kv_caches: list[LayerKV], meta: AttentionMetadata, hook: LayerHook | None = None):
+    def run_layers(self, x, cos, sin, kv_caches: list[LayerKV], meta: AttentionMetadata | list[AttentionMetadata],
+                   hook: LayerHook | None = None):  # fmt: skip
         """Every decoder layer, then the final norm: hidden states [T, hidden]. A `hook` sees each
         layer's cache before and after it runs, may narrow the rows (and metadata) the later layers
         run, and gives the final hidden states back at the step's rows."""
         delta = None
+        metas = meta if isinstance(meta, list) else None  # per layer: a model of several KV-cache groups
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if hook is not None:
                 hook.before_layer(i, kv)
-            x, delta = layer(x, delta, cos, sin, kv, meta)
+            x, delta = layer(x, delta, cos, sin, kv, meta if metas is None else metas[i])
             if hook is not None:
                 rows, narrowed = hook.after_layer(i, kv)
                 if rows is not None:

@@ -88,6 +88,12 @@ class Workload:
     requests: list[dict] = field(default_factory=list)
     cold_blocks: dict[str, int] = field(default_factory=dict)  # pools of the precisions Demote demotes to
     layer_spec: LayerSpec = FULL  # what the layers read (a window or chunks: the manager releases blocks)
+    # a model of several KV-cache groups: what each group's layers read (then `layer_spec` is unused)
+    group_specs: tuple[LayerSpec, ...] = ()
+
+    @property
+    def specs(self) -> tuple[LayerSpec, ...]:
+        return self.group_specs or (self.layer_spec,)
 
 
 def make_workload(seed: int) -> Workload:
@@ -181,6 +187,8 @@ def _add_layer_window(w: Workload, rng: random.Random) -> None:
     if rng.random() < 0.3 and not any(r.get("eviction") or r.get("segments") for r in w.requests):
         reach = rng.randint(1, 3 * w.block_size)
         w.layer_spec = SlidingWindow(reach) if rng.random() < 0.6 else ChunkedLocal(reach)
+        if rng.random() < 0.5:  # a full-attention group beside it (Gemma's, Qwen2's layers)
+            w.group_specs = (FULL, w.layer_spec)
 
 
 @dataclass(slots=True)
@@ -202,6 +210,7 @@ class Simulation:
             watermark=w.watermark,
             cold_blocks=w.cold_blocks,
             layer_spec=w.layer_spec,
+            group_specs=w.group_specs,
         )
         self.sched = Scheduler(
             self.kv,
@@ -299,7 +308,7 @@ class Simulation:
         w, bs = self.w, self.w.block_size
         longest = min(len(spec["prompt"]) + spec["max_tokens"], w.max_model_len)
         at_once = 1 if spec["width"] > 1 and not spec["beam"] else spec["width"]  # a sample need only fit alone
-        fits = at_once * cdiv(longest, bs) <= w.num_blocks
+        fits = at_once * cdiv(longest, bs) * len(w.specs) <= w.num_blocks  # (every group, the whole prompt)
         schedulable = len(spec["prompt"]) <= w.max_model_len and spec["width"] <= min(
             w.max_num_seqs, w.max_num_batched_tokens
         )
@@ -320,8 +329,9 @@ class Simulation:
         copy_blocks(self.gpu, self.gpu, [(s, d) for s, d, _ in out.rotations], bs)  # (rotated keys: same tokens)
         copy_slots(self.gpu, out.slot_copies)
         for s in out.sequences:  # every layer writes the step's K/V first (positions past the evicted ones) ...
-            for pos, tok in enumerate(s.token_ids, start=s.num_computed - s.num_evicted):
-                self.gpu[s.block_table[pos // bs] * bs + pos % bs] = tok
+            for table, missing in [(s.block_table, s.num_evicted), *s.group_tables]:  # (each group's layers)
+                for pos, tok in enumerate(s.token_ids, start=s.num_computed - missing):
+                    self.gpu[table[pos // bs] * bs + pos % bs] = tok
         for s in out.sequences:  # ... then each sequence attends to its whole context: resident blocks, then demoted
             req = self.sched.requests[s.seq_id.request_id]
             tokens = req.sequences[s.seq_id.index].token_ids
@@ -333,9 +343,15 @@ class Simulation:
             seen = [self.gpu.get(s.block_table[p // bs] * bs + p % bs) for p in range(s.kv_len)]
             if seen != want:
                 raise self.fail(f"{s.seq_id} attends to {seen}, not its tokens {want}")
-            first = self.w.layer_spec.first_visible(s.num_computed)  # the step's first query reads from here
-            if self.w.layer_spec is not FULL and s.num_evicted > first // bs * bs:
-                raise self.fail(f"{s.seq_id} lost keys its window reads: {s.num_evicted} missing, reads from {first}")
+            for spec, (table, missing) in zip(self.w.specs, [(s.block_table, s.num_evicted), *s.group_tables],
+                                              strict=True):  # fmt: skip
+                first = spec.first_visible(s.num_computed)  # the step's first query reads from here
+                if spec is not FULL and missing > first // bs * bs:
+                    raise self.fail(f"{s.seq_id} lost keys its window reads: {missing} missing, reads from {first}")
+                if table is not s.block_table:  # (group 0 was read above: a policy's holes too)
+                    seen = [self.gpu.get(table[p // bs] * bs + p % bs) for p in range(s.seq_len - missing)]
+                    if seen != tokens[missing : s.seq_len]:  # (a window's group: from its first held block)
+                        raise self.fail(f"{s.seq_id} attends to {seen} in a group, not its tokens {tokens[missing:]}")
             if len(s.cold_blocks) != len(demoted):
                 raise self.fail(f"{s.seq_id} attends to demoted blocks {s.cold_blocks}, not its {demoted}")
             for (p, b), i in zip(s.cold_blocks, sorted(demoted), strict=True):

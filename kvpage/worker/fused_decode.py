@@ -54,7 +54,7 @@ class FusedDecode:
         this path runs, else the model layer by layer (same bits either way)."""
         model = self.model
         x, cos, sin = model.embed(input_ids, positions)
-        hidden = self.run(x, cos, sin, kv_caches, meta)
+        hidden = self.run(x, cos, sin, kv_caches, meta) if isinstance(meta, AttentionMetadata) else None
         return hidden if hidden is not None else model.run_layers(x, cos, sin, kv_caches, meta)
 
     def run(self, x, cos, sin, kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor | None:

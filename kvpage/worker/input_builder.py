@@ -21,6 +21,8 @@ class ModelInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
+    # a model of several KV-cache groups: the metadata of the groups after the first (their tables)
+    group_metas: list[AttentionMetadata]
     sequences: list[ScheduledSequence]  # in batch order (decodes first)
     logits_index: torch.Tensor  # rows of the last token of each sequence that returns logits
     logits_seq_ids: list[SeqKey]
@@ -45,10 +47,22 @@ def build_inputs(scheduled: list[ScheduledSequence], block_size: int, device: to
         want_mass=[s.want_mass for s in seqs], read_budgets=[s.max_read_tokens for s in seqs],
         demoted=[s.cold_blocks for s in seqs],
     )  # fmt: skip
+    lens = [len(s.token_ids) for s in seqs]
+    group_metas = [
+        AttentionMetadata.build(
+            lens,
+            [s.seq_len - s.group_tables[g][1] for s in seqs],
+            [s.group_tables[g][0] for s in seqs],
+            block_size,
+            device,
+        )  # fmt: skip
+        for g in range(len(seqs[0].group_tables) if seqs else 0)
+    ]
     return ModelInputs(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         meta=meta,
+        group_metas=group_metas,
         sequences=seqs,
         logits_index=torch.tensor(logits_rows, dtype=torch.int64, device=device),
         logits_seq_ids=logits_seq_ids,

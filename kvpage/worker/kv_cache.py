@@ -17,12 +17,20 @@ of each lower precision (`cold_blocks`: {"int8": n, "int4": m, "cpu": c}; "cpu" 
 in host memory, the CPU-tier rung), hung on the layer as `LayerKV.cold`
 so attention reads them; `demote` moves blocks down (read as float32, quantized into the new pool).
 
+A model of several KV-cache groups (kv_spec.group_layers: Gemma's windows beside its global layers)
+stores a block id's KV in a page of `page_layers` tensors (`pages`): the layer at slot j of its group
+keeps its KV in page tensor j, so a block id names the same slots in every group's layers and the
+block moves below (copy-on-write, swap) move whatever group holds it. `layers` are the model's
+per-layer views of those tensors, each with its own window; for one group they are the pages.
+
 For the shared tier (core/remote_tier.py) a block travels as bytes: every layer's tensors' slices of
 it, in order (`read_blocks`), written back into CPU-tier blocks by `land`; `layout()` names that
 format, so only caches of the same layout exchange blocks.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
@@ -33,7 +41,7 @@ from kvpage.attention.kv_quant import dequantize, quantize
 from kvpage.attention.layer_kv import LayerKV, read_named_blocks
 from kvpage.attention.torch_ref import TorchReferenceBackend
 from kvpage.core.kv_bytes import demoted_bytes_per_block, kv_bytes_per_block
-from kvpage.core.kv_spec import SlidingWindow
+from kvpage.core.kv_spec import SlidingWindow, page_layers
 from kvpage.models.config import ModelConfig
 
 
@@ -63,18 +71,31 @@ class KVCache:
         self.kv_cache_dtype = kv_cache_dtype
         allocate = (backend or TorchReferenceBackend).allocate_kv
         pin = torch.device(device).type == "cuda"
+        self.groups = cfg.kv_groups
+        if len(self.groups) > 1 and (key_bounds or cold_blocks):
+            raise ValueError("key bounds and demoted pools are for a model of one KV-cache group")
+        self.layer_groups = [0] * cfg.num_layers  # each model layer's group
+        slots = list(range(cfg.num_layers))  # each model layer's page slot
+        for g in self.groups:
+            for j, layer in enumerate(g.layers):
+                self.layer_groups[layer], slots[layer] = g.index, j
 
         def pool(n: int, where, pinned: bool = False) -> list[LayerKV]:
-            layers = [allocate(n, cfg.num_kv_heads, block_size, cfg.head_dim, dtype, kv_cache_dtype, where, pinned)
-                      for _ in range(cfg.num_layers)]  # fmt: skip
-            for layer in layers[DENSE_LAYERS:] if key_bounds else []:
-                layer.keep_bounds()
-            for layer, spec in zip(layers, cfg.layer_specs, strict=True):
-                layer.window = spec.window if isinstance(spec, SlidingWindow) else 0
-            return layers
+            pages = [allocate(n, cfg.num_kv_heads, block_size, cfg.head_dim, dtype, kv_cache_dtype, where, pinned)
+                     for _ in range(page_layers(self.groups))]  # fmt: skip
+            for page in pages[DENSE_LAYERS:] if key_bounds else []:
+                page.keep_bounds()
+            return pages
 
-        self.layers = pool(num_blocks, device)
-        self.cpu_layers = pool(num_cpu_blocks, "cpu", pin)
+        self.pages = pool(num_blocks, device)
+        windows = [spec.window if isinstance(spec, SlidingWindow) else 0 for spec in cfg.layer_specs]
+        if len(self.groups) == 1:  # (page slot j is layer j)
+            for page, window in zip(self.pages, windows, strict=True):
+                page.window = window
+            self.layers = self.pages
+        else:
+            self.layers = [replace(self.pages[j], window=w) for j, w in zip(slots, windows, strict=True)]
+        self.cpu_layers = pool(num_cpu_blocks, "cpu", pin)  # (pages: the CPU pools hold blocks, read by no layer)
         self.tier_layers = pool(num_tier_blocks, "cpu", pin)  # the CPU tier of the prefix cache
         for precision, n in (cold_blocks or {}).items():
             for layer in self.layers:
@@ -91,8 +112,9 @@ class KVCache:
         cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto", key_bounds: bool = False
     ) -> int:
         name = kv_dtype_name(kv_cache_dtype, dtype)
-        bounded = max(0, cfg.num_layers - DENSE_LAYERS) if key_bounds else 0
-        return kv_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, name, block_size, bounded)
+        page = page_layers(cfg.kv_groups)  # (a block id's KV: one layer per page slot)
+        bounded = max(0, page - DENSE_LAYERS) if key_bounds else 0
+        return kv_bytes_per_block(page, cfg.num_kv_heads, cfg.head_dim, name, block_size, bounded)
 
     @staticmethod
     def demoted_bytes_per_block(cfg: ModelConfig, block_size: int, precision: str) -> int:
@@ -102,8 +124,8 @@ class KVCache:
         """Copy-on-write: device block src -> device block dst, every layer (scales included)."""
         if not pairs:
             return
-        src, dst = self._index(pairs, self.layers[0].k.device)
-        for layer in self.layers:
+        src, dst = self._index(pairs, self.pages[0].k.device)
+        for layer in self.pages:
             for t in layer.tensors():
                 t.index_copy_(0, dst, t.index_select(0, src))
 
@@ -137,7 +159,7 @@ class KVCache:
         copied bit for bit. StreamingLLM's sink blocks are rotated as whole-block runs."""
         if not runs:
             return
-        device = self.layers[0].k.device
+        device = self.pages[0].k.device
         src = torch.cat([torch.arange(s, s + n) for s, _, n, _ in runs]).to(device)
         dst = torch.cat([torch.arange(d, d + n) for _, d, n, _ in runs]).to(device)
         shift = torch.cat([torch.full((n,), p, dtype=torch.float64) for _, _, n, p in runs]).to(device)
@@ -146,7 +168,7 @@ class KVCache:
         angles = shift[:, None] * inv_freq.to(device=device, dtype=torch.float64)[None, :]  # [slots, d/2]
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [slots, 1, d]
         cos, sin = angles.cos().float(), angles.sin().float()
-        for layer in self.layers:
+        for layer in self.pages:
             k = layer.k[sb, :, so]  # [slots, kv_heads, d]
             k = dequantize(k, layer.k_scale[sb, :, so], torch.float32) if layer.quantized else k.float()
             half = k.shape[-1] // 2
@@ -164,25 +186,25 @@ class KVCache:
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, cpu block) pairs."""
-        self._transfer(self.layers, self.cpu_layers, pairs)
+        self._transfer(self.pages, self.cpu_layers, pairs)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(cpu block, device block) pairs."""
-        self._transfer(self.cpu_layers, self.layers, pairs)
+        self._transfer(self.cpu_layers, self.pages, pairs)
 
     def offload(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, tier block) pairs: evicted prefix blocks kept in the CPU tier."""
-        self._transfer(self.layers, self.tier_layers, pairs)
+        self._transfer(self.pages, self.tier_layers, pairs)
 
     def restore(self, pairs: list[tuple[int, int]]) -> None:
         """(tier block, device block) pairs: CPU-tier prefix hits brought back."""
-        self._transfer(self.tier_layers, self.layers, pairs)
+        self._transfer(self.tier_layers, self.pages, pairs)
 
     def layout(self) -> str:
         """The byte format of one block: each layer's tensors' dtype and per-block shape, runs of equal
         layers counted (the first layers keep no key bounds where the rest do)."""
         runs: list[list] = []
-        for layer in self.layers:
+        for layer in self.pages:
             desc = ",".join(f"{t.dtype}{tuple(t.shape[1:])}" for t in layer.tensors())
             if runs and runs[-1][1] == desc:
                 runs[-1][0] += 1
@@ -194,9 +216,9 @@ class KVCache:
         """The bytes of these device blocks (after the step that wrote them)."""
         if not block_ids:
             return []
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.layers[0].k.device)
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.pages[0].k.device)
         n = len(block_ids)
-        parts = [t.index_select(0, idx).reshape(n, -1).view(torch.uint8).cpu() for layer in self.layers
+        parts = [t.index_select(0, idx).reshape(n, -1).view(torch.uint8).cpu() for layer in self.pages
                  for t in layer.tensors()]  # fmt: skip
         rows = torch.cat(parts, dim=1).numpy()
         return [rows[i].tobytes() for i in range(n)]

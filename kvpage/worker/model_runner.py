@@ -86,10 +86,14 @@ class ModelRunner:
         inputs = build_inputs(step.sequences, kv.block_size, self.device)
         t2 = time.perf_counter()
         layer_hook = next((h for h in (hook.layer_hook(inputs) for hook in self.hooks) if h is not None), None)
+        meta = inputs.meta
+        if inputs.group_metas:  # several KV-cache groups: each layer reads its group's tables
+            metas = [inputs.meta, *inputs.group_metas]
+            meta = [metas[g] for g in kv.layer_groups]
         if layer_hook is None:
-            hidden = self.forward(inputs.input_ids, inputs.positions, kv.layers, inputs.meta)
+            hidden = self.forward(inputs.input_ids, inputs.positions, kv.layers, meta)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, kv.layers, inputs.meta, layer_hook)
+            hidden = self.model(inputs.input_ids, inputs.positions, kv.layers, meta, layer_hook)
         for hook in self.hooks:
             hook.after_forward(inputs)  # (collectives under tensor parallelism: every rank)
         self.collectives_done = True

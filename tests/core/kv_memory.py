@@ -109,12 +109,14 @@ class KVMemory:
             self.gpu[slot] = value
 
     def write(self, seq_id: Hashable, start: int, end: int) -> None:
-        """The model wrote the KV of tokens [start, end) of the sequence into their slots."""
+        """The model wrote the KV of tokens [start, end) of the sequence into their slots (in every
+        KV-cache group: each layer writes its own)."""
         self.demote()
         tokens = self.tokens[seq_id]
-        for t, slot in zip(range(start, end), self.mgr.slot_mapping(seq_id, start, end), strict=True):
-            self._journal.append((slot, self.gpu.get(slot)))
-            self.gpu[slot] = tokens[t]
+        for g in range(self.mgr.num_groups):
+            for t, slot in zip(range(start, end), self.mgr.slot_mapping(seq_id, start, end, g), strict=True):
+                self._journal.append((slot, self.gpu.get(slot)))
+                self.gpu[slot] = tokens[t]
 
     def apply(self, seq_id: Hashable, alloc: SlotAllocation, num_new: int) -> None:
         """Copy-on-write first, then write the last `num_new` tokens' KV into their slots."""
@@ -146,11 +148,12 @@ class KVMemory:
         """StreamingLLM's sink copies: in token terms a copy (the rotation changes the keys, not whose they are)."""
         self.copy([(src, dst) for src, dst, _ in rotations])
 
-    def read(self, seq_id: Hashable) -> list[int | None]:
-        """The sequence's tokens through its block table (None where a policy released the block)."""
+    def read(self, seq_id: Hashable, group: int = 0) -> list[int | None]:
+        """The sequence's tokens through its block table of a group (None where a policy or the
+        window released the block)."""
         bs = self.mgr.block_size
         mem = self.cpu if self.mgr.is_swapped(seq_id) else self.gpu
-        table = self.mgr.block_table(seq_id)
+        table = self.mgr.block_table(seq_id, group)
         return [None if table[t // bs] is None else mem.get(table[t // bs] * bs + t % bs)
                 for t in range(self.mgr.num_tokens(seq_id))]  # fmt: skip
 
@@ -169,9 +172,10 @@ class KVMemory:
             tokens = self.tokens[seq_id]
             assert len(tokens) == self.mgr.num_tokens(seq_id), f"{seq_id}: slots for other than its tokens"
             n = len(tokens) if computed is None else computed[seq_id]
-            table, bs = self.mgr.block_table(seq_id), self.mgr.block_size
-            expect = [None if table[t // bs] is None else tok for t, tok in enumerate(tokens[:n])]  # holes read nothing
-            assert self.read(seq_id)[:n] == expect, f"{seq_id} reads back other KV"
+            for g in range(self.mgr.num_groups):
+                table, bs = self.mgr.block_table(seq_id, g), self.mgr.block_size
+                expect = [None if table[t // bs] is None else tok for t, tok in enumerate(tokens[:n])]  # (holes)
+                assert self.read(seq_id, g)[:n] == expect, f"{seq_id} reads back other KV in group {g}"
         self.check_demoted()
 
     def check_demoted(self) -> None:

@@ -178,7 +178,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.mem.transfers()
         self.mem.copy_before_writes(copies)
         taken = free_before - pool.num_free
-        if self.mgr.layer_spec is FULL:
+        if all(s is FULL for s in self.mgr.specs):
             assert taken == adm.blocks_needed + taken_hits  # the plan's count is exact
         else:  # (a partial hit or a sibling may let a window release some of them at once)
             assert taken <= adm.blocks_needed + taken_hits
@@ -212,7 +212,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert (self.mgr.stats(), self.mgr.block_table(seq_id)) == before
                 all_fit = False
                 continue
-            assert len(alloc.copies) <= 1
+            assert len(alloc.copies) <= self.mgr.num_groups  # (copy-on-write: one a group at most)
             self.touch(seq_id)
             self.tokens[seq_id].extend(new)
             self.mem.transfers()
@@ -716,9 +716,89 @@ class WindowedManagerMachine(ManagerMachine):
         self.mgr.finish_step([(s, self.computed[s], None) for s in resident])  # (commits nothing more)
         for s in resident:
             self.mgr.check_window(s, self.computed[s])
-            if self.mgr._table(s).released:
+            if any(t.released for t in self.mgr._tables_of(s)):
                 event("blocks released behind the window")
 
 
 WindowedManagerMachine.TestCase.settings = machine_settings(300, 30)
 TestWindowedManagerProperties = WindowedManagerMachine.TestCase
+
+
+class GroupedManagerMachine(WindowedManagerMachine):
+    """The same on a model of several KV-cache groups (a full-attention group beside windows or chunks,
+    as Gemma's or Qwen2's layers): one table per group over one pool. Every step's writes land in each
+    group's slots and every group reads back its own; a hit is every group's at one length, a fork
+    shares every group's blocks or refuses, swap moves every group. Requests enter through admission
+    (a sequence of several groups starts from every group's hits), one sequence each: the siblings' rule
+    is the windowed machine's."""
+
+    @initialize(
+        num_blocks=st.integers(6, 40),  # (each group holds a prompt's blocks until its step releases them)
+        block_size=st.sampled_from([2, 3, 4]),
+        num_cpu_blocks=SETUP["num_cpu_blocks"],
+        caching=SETUP["caching"],
+        watermark=SETUP["watermark"],
+        specs=st.sampled_from(
+            [
+                (FULL, SlidingWindow(3)),
+                (FULL, ChunkedLocal(2)),
+                (FULL, SlidingWindow(6), SlidingWindow(6)),
+                (FULL, SlidingWindow(1), ChunkedLocal(5)),
+            ]
+        ),  # fmt: skip
+    )
+    def setup(self, num_blocks, block_size, num_cpu_blocks, caching, watermark, specs):
+        ManagerMachine.setup(self, num_blocks, block_size, num_cpu_blocks, caching, watermark, 0)
+        self.mgr = KVCacheManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks, enable_prefix_caching=caching,
+                                  watermark=watermark, group_specs=specs)  # fmt: skip
+        self.mem = KVMemory(self.mgr, self.tokens)
+
+    add = None  # (a sequence of several groups starts from admission's hits only)
+
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        suffix=st.lists(tokens, min_size=1, max_size=10),
+        salt=st.sampled_from([None, "t"]),
+        use_prefix_cache=st.booleans(),
+    )
+    def admit_one(self, prefix, suffix, salt, use_prefix_cache):
+        prompt = prefix + suffix
+        adm = self.mgr.check_admission([prompt], salt, use_prefix_cache=use_prefix_cache)
+        hits = adm.groups
+        assert len(hits) == self.mgr.num_groups and len({p.num_tokens for p in hits}) == 1
+        if adm.status is not AdmissionStatus.NOW:
+            return
+        if hits[0].num_tokens:
+            event("a hit in every group")
+        seq_id = self.new_id()
+        assert self.mgr.admit([seq_id], [prompt], adm) == []  # (no partial hit: nothing to copy)
+        for g, p in enumerate(hits):  # each group's table holds its hits, its holes before them
+            assert self.mgr.block_table(seq_id, g)[: len(p.block_ids)] == p.block_ids
+        self.created_now(seq_id, list(prompt), hits[0].num_tokens)
+
+    admit_group = None
+
+    @precondition(lambda self: self.resident())
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self.resident()))
+        num_full = self.mgr.num_tokens(parent) // self.mgr.block_size
+        num_blocks = data.draw(st.none() | st.integers(0, num_full))
+        child, bs = self.new_id(), self.mgr.block_size
+        if num_blocks is not None and any(
+            None in self.mgr.block_table(parent, g)[needed_from(spec, num_blocks * bs, bs) : num_blocks]
+            for g, spec in enumerate(self.mgr.specs)
+        ):
+            with pytest.raises(ValueError, match="released|evicted"):
+                self.mgr.fork(parent, child, num_blocks)
+            assert not self.mgr.has_sequence(child)
+            return
+        self.mgr.fork(parent, child, num_blocks)
+        n = len(self.tokens[parent]) if num_blocks is None else num_blocks * bs
+        self.created_now(child, self.tokens[parent][:n], min(n, self.computed[parent]))
+        if any(t.released for t in self.mgr._tables_of(child)):  # (a window's holes, shared)
+            event("a fork of released blocks")
+
+
+GroupedManagerMachine.TestCase.settings = machine_settings(200, 30)
+TestGroupedManagerProperties = GroupedManagerMachine.TestCase

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvpage import LLM, SamplingParams
-from kvpage.core.kv_spec import SlidingWindow, max_live_blocks
+from kvpage.core.kv_spec import FULL, SlidingWindow, max_live_blocks
 from kvpage.errors import ParameterError
 from kvpage.models.config import ModelConfig
 from kvpage.models.loader import save_dummy_model
@@ -116,20 +116,98 @@ def qwen2(tmp_path_factory, smollm2):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_windows_on_some_layers_equal_transformers_with_hits_and_preemption(qwen2, mode):
-    """Mixed kinds: the manager holds every block (one group until it keeps a table per group of
-    layers), each layer reads its own keys: the full layer all of them, the sliding one its window."""
+    """Mixed kinds: a KV-cache group per kind, each sequence a block table in each: the full layer's
+    holds every block, the sliding layer's only its window's (each layer reads its own keys)."""
     path, hf = qwen2
     kw = dict(swap_space="16MiB") if mode == "swap" else {}
-    # 12 blocks of 16: each sequence fits (at most 150 tokens), the three together do not
-    llm = LLM(path, dtype="float32", num_kv_blocks=12, block_size=BS, preemption_mode=mode, **kw)
-    engine = llm.llm_engine
-    assert engine.kv_manager.layer_spec.kind == "full" and [kv.window for kv in engine.kv_cache.layers] == [0, W]
+    # 16 blocks of 16: each sequence fits (at most 150 tokens: 10 full-attention blocks and 3 of the window's;
+    # every block of both, as one group of full attention held them, would be 20), the three together do not
+    llm = LLM(path, dtype="float32", num_kv_blocks=16, block_size=BS, preemption_mode=mode, **kw)
+    engine, kv = llm.llm_engine, llm.llm_engine.kv_manager
+    assert kv.specs == (FULL, SlidingWindow(W)) and [layer.window for layer in engine.kv_cache.layers] == [0, W]
+    assert engine.kv_cache.pages[0].k.data_ptr() == engine.kv_cache.layers[1].k.data_ptr()  # one page slot
+    held, step = [], engine.step
+
+    def recording_step():
+        out = step()
+        held.append(max((len(kv._tables_of(s)[1].resident) for s in kv.seq_ids() if not kv.is_swapped(s)), default=0))
+        return out
+
+    engine.step = recording_step
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        engine.step = step
     assert got == [_want(hf, p, 60) for p in PROMPTS]
     assert engine.scheduler.num_preemptions > 0
+    assert max(held) <= max_live_blocks(SlidingWindow(W), BS) == 3  # between steps, whatever the length
     llm.reset_prefix_cache()
-    llm.generate([PROMPTS[1]], params, use_tqdm=False)
-    again = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0]  # the whole prompt cached but its last token
-    assert again.num_cached_tokens == 89 and list(again.outputs[0].token_ids) == got[1]
+    # the prompt alone (12 blocks, the window's first 4 released after its step, none reused yet), then again:
+    # its 5 full blocks hit in the full group, blocks 3 and 4 in the window's (what a query at 80 reads)
+    llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    again = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 80 and list(again.outputs[0].token_ids) == got[1]
     assert_clean(llm)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory, smollm2):
+    """Gemma 3's text model, five sliding layers to one global (transformers' own random model): six
+    KV-cache groups of one layer, the global one's table holding every block, each sliding one its window's."""
+    import transformers
+
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=W, query_pre_attn_scalar=16, max_position_embeddings=4096,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"], initializer_range=0.3, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("gemma3")
+    hf.save_pretrained(path)
+    smollm2.tokenizer.save(path)
+    return str(path), hf
+
+
+def test_gemma3_five_windows_to_one_global_layer_equal_transformers_in_a_tiny_pool(gemma3):
+    """Chunks of 32 tokens straddle the window; 40 blocks hold each sequence alone, not the three at once
+    (recompute preemption); every sliding group holds at most its window's bound between steps."""
+    path, hf = gemma3
+    llm = LLM(path, dtype="float32", num_kv_blocks=40, block_size=BS, max_num_batched_tokens=32,
+              preemption_mode="recompute")  # fmt: skip
+    engine, kv = llm.llm_engine, llm.llm_engine.kv_manager
+    assert kv.specs == (FULL,) + (SlidingWindow(W),) * 5 and engine.kv_cache.layer_groups == [1, 2, 3, 4, 5, 0]
+    held, step = [], engine.step
+
+    def recording_step():
+        out = step()
+        engine.scheduler.check_invariants()  # (every group's tables, and each window's bound: check_window)
+        for req in engine.scheduler.running:  # the sliding groups of a sequence with no slot ahead of its tokens
+            held.extend(len(t.resident) for s in req.live_sequences if kv.num_tokens(s.key) == s.num_computed
+                        for t in kv._tables_of(s.key)[1:])  # fmt: skip
+        return out
+
+    engine.step = recording_step
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        engine.step = step
+    assert got == [_want(hf, p, 40) for p in PROMPTS]
+    assert engine.scheduler.num_preemptions > 0 and max(held) == max_live_blocks(SlidingWindow(W), BS) == 3
+    again = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0]  # (the last to finish: its blocks still cached)
+    assert again.num_cached_tokens == 48 and list(again.outputs[0].token_ids) == got[2]
+    assert_clean(llm)
+
+
+def test_features_of_one_kv_cache_group_name_their_field(qwen2):
+    path, _ = qwen2
+    for kw, field in (
+        (dict(cpu_offload_memory="1MiB"), "cpu_offload_memory"),
+        (dict(verify_kv_every=4), "verify_kv_every"),
+    ):
+        with pytest.raises(ParameterError) as e:
+            LLM(path, dtype="float32", num_kv_blocks=16, **kw)
+        assert e.value.param == field and "2 KV-cache groups" in str(e.value)

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpage.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from kvpage.core.scheduler_output import SchedulerOutput
 from kvpage.models import ModelConfig, load_model
-from tests.worker.driver import assert_pool_clean, greedy_generate, make_runner
+from tests.worker.driver import assert_pool_clean, entry, greedy_generate, make_runner
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, initializer_range=0.2)
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -97,19 +97,19 @@ def test_logits_over_a_ragged_batch_match_transformers(pair):
     seqs = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (30, 21, 40)]
     with torch.no_grad():
         ref = [torch.log_softmax(hf(torch.tensor([s])).logits[0].float(), -1) for s in seqs]
-    runner, mgr = make_runner(ours, 32, 4)
+    runner, mgr = make_runner(ours, 32 * len(ours.config.kv_groups), 4)
     owned = {f"s{i}": s for i, s in enumerate(seqs)}  # the test owns the tokens; the manager counts them
     # earlier steps: the first 29 tokens of seq 0 and the first 25 of seq 2 are already cached
     for i, done in ((0, 29), (2, 25)):
         mgr.allocate_slots(f"s{i}", done)
         mgr.cache_blocks(f"s{i}", seqs[i], done)
-        runner.execute(SchedulerOutput([ScheduledSequence(f"s{i}", seqs[i][:done], 0, mgr.block_table(f"s{i}"))]))
+        runner.execute(SchedulerOutput([entry(mgr, f"s{i}", seqs[i][:done], 0)]))
         mgr.commit()
     step = []
     for i, done in ((0, 29), (1, 0), (2, 25)):
         mgr.allocate_slots(f"s{i}", len(seqs[i]) - done)
         mgr.cache_blocks(f"s{i}", seqs[i], len(seqs[i]))
-        step.append(ScheduledSequence(f"s{i}", seqs[i][done:], done, mgr.block_table(f"s{i}"), prompt_logprobs=True))
+        step.append(entry(mgr, f"s{i}", seqs[i][done:], done, prompt_logprobs=True))
     out = runner.execute(SchedulerOutput(step))
     mgr.commit()
     mgr.check_invariants(owned)
@@ -123,7 +123,7 @@ def test_logits_over_a_ragged_batch_match_transformers(pair):
 def test_greedy_generation_matches_transformers(pair):
     _, hf, ours = pair
     prompts = [[5, 17, 42, 8, 9, 60, 3], [11] * 19, list(range(30, 60))]
-    runner, mgr = make_runner(ours, 64, 4)
+    runner, mgr = make_runner(ours, 64 * len(ours.config.kv_groups), 4)
     r = greedy_generate(runner, mgr, prompts, 10, start_steps=[0, 2, 3])
     for p, got in zip(prompts, r.tokens, strict=True):
         with torch.no_grad():
@@ -138,7 +138,7 @@ def test_in_batch_prefix_hit_matches_transformers(pair):
     chunk attends to KV written earlier in the same forward (every layer writes before it attends)."""
     _, hf, ours = pair
     prompts = [list(range(30, 60)), list(range(30, 50)) + [7, 7]]  # 20 tokens (5 blocks of 4) in common
-    runner, mgr = make_runner(ours, 32, 4)
+    runner, mgr = make_runner(ours, 32 * len(ours.config.kv_groups), 4)
     r = greedy_generate(runner, mgr, prompts, 6)
     assert r.hit_tokens == [0, 20]
     for p, got, first in zip(prompts, r.tokens, r.first_logits, strict=True):

@@ -54,20 +54,19 @@ def greedy_generate(
                 continue
             prefix = None
             if not mgr.has_sequence(seq_id):
-                prefix = mgr.find_cached_prefix(tokens[i])
-                computed[i] = hits[i] = prefix.num_tokens
+                if mgr.num_groups > 1:  # (several groups start from every group's hits: admission's way)
+                    computed[i] = hits[i] = _admit_groups(mgr, seq_id, tokens[i], chunk_size)
+                else:
+                    prefix = mgr.find_cached_prefix(tokens[i])
+                    computed[i] = hits[i] = prefix.num_tokens
             end = len(tokens[i]) if chunk_size is None else min(len(tokens[i]), computed[i] + chunk_size)
             num_slots = mgr.num_tokens(seq_id) if prefix is None else prefix.num_tokens
-            alloc = mgr.allocate_slots(seq_id, end - num_slots, prefix)
+            alloc = mgr.allocate_slots(seq_id, max(0, end - num_slots), prefix)
             assert alloc is not None, "the test pool must be large enough"
             assert prefix is not None or not alloc.copies  # (no forks here; a partial prefix hit copies)
             copies.extend(alloc.copies)
             mgr.cache_blocks(seq_id, tokens[i], end)  # hits for prompts planned after this one
-            step.append(
-                ScheduledSequence(
-                    seq_id, tokens[i][computed[i] : end], computed[i], mgr.block_table(seq_id), end == len(tokens[i])
-                )
-            )
+            step.append(entry(mgr, seq_id, tokens[i][computed[i] : end], computed[i], end == len(tokens[i])))
         out = runner.execute(SchedulerOutput(step, copies=copies))
         mgr.commit()
         for s in step:
@@ -88,13 +87,41 @@ def greedy_generate(
 
 
 def make_runner(lm, num_blocks: int, block_size: int, **mgr_kw) -> tuple[ModelRunner, KVCacheManager]:
-    """A model runner with a KV cache of `num_blocks` blocks, and the manager that owns those blocks."""
+    """A model runner with a KV cache of `num_blocks` blocks, and the manager that owns those blocks
+    (one block table per KV-cache group of the model's layers)."""
     from kvpage.worker.kv_cache import KVCache
 
     dtype = next(lm.model.parameters()).dtype
     kv = KVCache(lm.config, num_blocks, block_size, dtype, num_cpu_blocks=mgr_kw.get("num_cpu_blocks", 0))
     mgr_kw.setdefault("watermark", 0.0)
+    mgr_kw.setdefault("group_specs", [g.spec for g in lm.config.kv_groups])
     return ModelRunner(lm.model, kv), KVCacheManager(num_blocks, block_size, **mgr_kw)
+
+
+def entry(mgr: KVCacheManager, seq_id, token_ids: list[int], num_computed: int, return_logits: bool = True,
+          **kw) -> ScheduledSequence:  # fmt: skip
+    """A step's entry for a sequence as the manager holds it: group 0's table, and every other group's
+    resident blocks after the tokens its window released (as `KVCacheManager.prepare_step` gives them)."""
+    groups = []
+    for g in range(1, mgr.num_groups):
+        table = mgr.block_table(seq_id, g)
+        resident = [b for b in table if b is not None]
+        groups.append((resident, (len(table) - len(resident)) * mgr.block_size))
+    view, num_evicted = mgr.attention_table(seq_id)
+    return ScheduledSequence(seq_id, list(token_ids), num_computed, view, return_logits, num_evicted=num_evicted,
+                             group_tables=groups, **kw)  # fmt: skip
+
+
+def _admit_groups(mgr: KVCacheManager, seq_id, tokens: list[int], chunk_size: int | None) -> int:
+    """A new sequence of a model of several groups, admitted with its hits in every group and slots up to
+    its first chunk's end (no partial hit: nothing to copy). Returns the tokens it hits."""
+    adm = mgr.check_admission([tokens])
+    hit = adm.prefix.num_tokens
+    if chunk_size is not None and hit + chunk_size < len(tokens):  # (the same hits: at least one token more)
+        adm = mgr.check_admission([tokens[: hit + chunk_size]])
+        assert adm.prefix.num_tokens == hit
+    assert mgr.admit([seq_id], [tokens[: hit + (chunk_size or len(tokens))]], adm) == []
+    return hit
 
 
 def assert_pool_clean(mgr: KVCacheManager) -> None:
@@ -110,6 +137,7 @@ def decode_logits(lm, tokens: list[int], prompt_len: int, block_size: int = 16) 
     from kvpage.worker.input_builder import build_inputs
     from kvpage.worker.kv_cache import KVCache
 
+    assert len(lm.config.kv_groups) == 1, "decode_logits runs a model of one KV-cache group"
     num_blocks = -(-len(tokens) // block_size)
     mgr = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
     kv = KVCache(lm.config, num_blocks, block_size, next(lm.model.parameters()).dtype)
