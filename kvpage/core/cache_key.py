@@ -61,6 +61,7 @@ class CacheKey:
     parent: bytes | None
     token_ids: tuple[int, ...]
     extra_keys: ExtraKeys = ()
+    group: int = 0  # the KV-cache group whose layers' KV the block holds (named by the chain's first block too)
 
     def is_consistent(self) -> bool:
         return hash_block(self.parent, self.token_ids, self.extra_keys) == self.digest

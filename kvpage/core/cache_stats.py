@@ -34,6 +34,10 @@ class CacheStats:
     demoted_used_blocks: dict[str, int] = field(default_factory=dict)
     demoted_total_blocks: dict[str, int] = field(default_factory=dict)
     demotions: dict[str, int] = field(default_factory=dict)
+    # KV-cache groups (kv_spec.py): what each group's layers read ("full attention", "sliding window of
+    # 1024 tokens", ...), and the blocks the GPU-resident sequences' tables of each group hold
+    group_kinds: tuple[str, ...] = ()
+    group_blocks: tuple[int, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -70,7 +74,8 @@ class CacheStats:
 
 
 def collect_stats(pool, cpu_pool, prefix_cache, tier, bytes_per_block: int, *, logical_blocks: int, num_seqs: int,
-                  num_swapped_seqs: int, evicted_tokens: int, cold=None, demotions=None) -> CacheStats:  # fmt: skip
+                  num_swapped_seqs: int, evicted_tokens: int, cold=None, demotions=None,
+                  groups: tuple[tuple[str, int], ...] = ()) -> CacheStats:  # fmt: skip
     """The snapshot, from the components' O(1) counters (the block pools, the prefix cache's
     query / hit counts, the CPU tier) and the manager's per-table sums."""
     used = pool.num_used
@@ -101,4 +106,6 @@ def collect_stats(pool, cpu_pool, prefix_cache, tier, bytes_per_block: int, *, l
         demoted_used_blocks={p: c.num_used for p, c in (cold or {}).items()},
         demoted_total_blocks={p: c.num_total for p, c in (cold or {}).items()},
         demotions={p: (demotions or {}).get(p, 0) for p in cold or {}},
+        group_kinds=tuple(kind for kind, _ in groups),
+        group_blocks=tuple(n for _, n in groups),
     )

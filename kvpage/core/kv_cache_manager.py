@@ -520,10 +520,14 @@ class KVCacheManager:
     def stats(self) -> CacheStats:
         on_gpu = sum(not t[0].on_cpu for t in self._tables.values())
         logical = sum(len(t.block_ids) - t.num_holes for t in self._all_tables() if not t.on_cpu)
+        held = [0] * len(self.specs)
+        for t in self._all_tables():
+            held[t.group] += 0 if t.on_cpu else len(t.block_ids) - t.num_holes
         return collect_stats(self.pool, self.swap.pool, self.prefix.cache, self.prefix.tier, self.bytes_per_block,
                              logical_blocks=logical, num_seqs=on_gpu, num_swapped_seqs=len(self._tables) - on_gpu,
                              evicted_tokens=self.eviction.num_evicted_tokens, cold=self.eviction.cold,
-                             demotions=self.eviction.num_demoted)  # fmt: skip
+                             demotions=self.eviction.num_demoted,
+                             groups=tuple(zip((s.describe() for s in self.specs), held, strict=True)))  # fmt: skip
 
     def memory_map(self) -> MemoryMap:
         """Every block's state and every block table (memory_map.py), for the dashboard."""

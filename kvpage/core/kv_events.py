@@ -1,11 +1,13 @@
 """KV events: what a replica's prefix cache holds, announced as it changes, in vLLM's shape.
 
-    BlockStored{block_hashes, parent_block_hash, token_ids, block_size, medium}   a block's KV is written
-    BlockRemoved{block_hashes, medium}                                           it is about to be reused
-    AllBlocksCleared{}                                                           reset_prefix_cache
+    BlockStored{block_hashes, parent_block_hash, token_ids, block_size, medium, group}   a block's KV is written
+    BlockRemoved{block_hashes, medium}                                                  it is about to be reused
+    AllBlocksCleared{}                                                                  reset_prefix_cache
 
 `medium` is "gpu" (the block pool), "cpu" (the CPU tier) or "remote" (written to the fleet's
 shared tier, remote_tier.py: announced stored once, never removed by a replica, not in a snapshot).
+`group` is the KV-cache group whose layers' KV the block holds (kv_spec.py): 0 for a model of one
+group, whose digests are group 0's, as a router hashes prompts; a later group's digests name it.
 Digests are the core's SHA-256 chain hashes (cache_key.py) in hex: no per-process seed, so a router
 that hashes a prompt with the same code and the request's cache_salt finds exactly the blocks a replica holds.
 
@@ -37,6 +39,7 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     medium: str
+    group: int = 0
     type: str = "BlockStored"
 
 
@@ -132,4 +135,4 @@ class KVEventLog:
 
     def _stored(self, key: CacheKey, medium: str) -> BlockStored:
         parent = key.parent.hex() if key.parent is not None else None
-        return BlockStored([key.digest.hex()], parent, list(key.token_ids), self.block_size, medium)
+        return BlockStored([key.digest.hex()], parent, list(key.token_ids), self.block_size, medium, key.group)

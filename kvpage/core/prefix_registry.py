@@ -383,7 +383,8 @@ class PrefixRegistry:
                 table.block_hashes.append(hash_block(parent, chunk, extra_keys_for(i, table.cache_salt, table.group)))
             if table.block_ids[i] is None:  # released by the window before it was offered
                 continue
-            key = CacheKey(table.block_hashes[i], parent, chunk, extra_keys_for(i, table.cache_salt, table.group))
+            extra = extra_keys_for(i, table.cache_salt, table.group)
+            key = CacheKey(table.block_hashes[i], parent, chunk, extra, table.group)
             self._register(self.pool.blocks[table.block_ids[i]], key)
         table.num_registered = max(table.num_registered, num_full)
 

@@ -11,7 +11,8 @@ Names, units, types and meanings follow vLLM's (`vllm:X` is `kvpage:X` here, wit
     kvpage:time_to_first_token_seconds / inter_token_latency_seconds / e2e_request_latency_seconds
     kvpage:request_prompt_tokens / request_generation_tokens      histograms, per finished request
 
-kvpage's own, beside them: kvpage:num_requests_swapped, kvpage:kv_cache_blocks{state}, the sharing
+kvpage's own, beside them: kvpage:num_requests_swapped, kvpage:kv_cache_blocks{state},
+kvpage:kv_group_blocks{group, kind} (a model of several KV-cache groups: each group's blocks), the sharing
 and waste ratios, kvpage:prefix_cache_hit_rate, kvpage:engine_steps and, for decodes within a read
 budget, kvpage:kv_read_budget_blocks_read / _blocks_in_context. Gauges and counters kept by the
 engine come from the one snapshot it published after its last step (engine/engine_stats.py), read once
@@ -108,6 +109,13 @@ class _EngineCollector:
                 moves.add_metric([model, p], st.demotions[p])
             yield used
             yield moves
+        if len(st.group_kinds) > 1:  # a model of several KV-cache groups: each one's share of the blocks
+            groups = GaugeMetricFamily("kvpage:kv_group_blocks", "blocks the running sequences' tables hold in each "
+                                       "KV-cache group (a block shared by several tables counted in each)",
+                                       labels=["model_name", "group", "kind"])  # fmt: skip
+            for g, (kind, n) in enumerate(zip(st.group_kinds, st.group_blocks, strict=True)):
+                groups.add_metric([model, str(g), kind], n)
+            yield groups
         if self.engine.remote is not None:
             yield from self._remote(self.engine.remote, st.block_size)
         for name, value in (("running", snap.num_running), ("waiting", snap.num_waiting),

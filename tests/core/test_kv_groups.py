@@ -58,6 +58,7 @@ def test_each_group_has_its_table_over_one_pool_and_only_the_window_group_releas
     assert list(mgr.pool.free_queue.block_ids()) == [14, 15, 3, 4, 5, 7]  # released oldest first
     st = mgr.stats()
     assert st.used_blocks == 10 and st.free_blocks == 6  # 7 + 3: full attention alone would hold 14
+    assert st.group_kinds == ("full attention", "sliding window of 32 tokens") and st.group_blocks == (7, 3)
     finish(s)
 
 
@@ -158,3 +159,14 @@ def test_features_of_one_group_are_refused_by_name():
     s = group_seqs()
     with pytest.raises(ValueError, match="admit"):
         s.mgr.allocate_slots("a", 4, s.mgr.find_cached_prefix(toks(40)))
+
+
+def test_kv_events_name_each_blocks_group_and_its_digests_differ_by_group():
+    s = group_seqs()
+    admit(s, "a", toks(40))  # 2 full blocks a group registered (the third is partial)
+    batches, gap = s.mgr.events.since(0)
+    stored = [e for b in batches for e in b.events if e.type == "BlockStored"]
+    assert not gap and [(e.group, e.token_ids) for e in stored] == [(0, toks(16)), (0, toks(16, 16)),
+                                                                     (1, toks(16)), (1, toks(16, 16))]  # fmt: skip
+    assert {e.block_hashes[0] for e in stored[:2]}.isdisjoint(e.block_hashes[0] for e in stored[2:])
+    finish(s)

@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpage import LLM, SamplingParams
+from kvpage import LLM, BeamSearchParams, SamplingParams
 from kvpage.core.kv_spec import FULL, SlidingWindow, max_live_blocks
 from kvpage.errors import ParameterError
 from kvpage.models.config import ModelConfig
 from kvpage.models.loader import save_dummy_model
+from kvpage.server.metrics import Metrics
 from tests.engine.helpers import assert_clean
 
 W, BS = 32, 16
@@ -184,12 +185,18 @@ def test_gemma3_five_windows_to_one_global_layer_equal_transformers_in_a_tiny_po
     def recording_step():
         out = step()
         engine.scheduler.check_invariants()  # (every group's tables, and each window's bound: check_window)
+        text = Metrics(engine, "g").render().decode()  # (/metrics: each group's blocks, from the last step)
+        st = engine.snapshot.cache
+        assert all(f'kvpage:kv_group_blocks{{group="{g}",kind="{k}",model_name="g"}} {float(n)}' in text
+                   for g, (k, n) in enumerate(zip(st.group_kinds, st.group_blocks, strict=True)))  # fmt: skip
+        metered.append(sum(st.group_blocks))
         for req in engine.scheduler.running:  # the sliding groups of a sequence with no slot ahead of its tokens
             held.extend(len(t.resident) for s in req.live_sequences if kv.num_tokens(s.key) == s.num_computed
                         for t in kv._tables_of(s.key)[1:])  # fmt: skip
         return out
 
     engine.step = recording_step
+    metered: list[int] = []
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
@@ -197,8 +204,35 @@ def test_gemma3_five_windows_to_one_global_layer_equal_transformers_in_a_tiny_po
         engine.step = step
     assert got == [_want(hf, p, 40) for p in PROMPTS]
     assert engine.scheduler.num_preemptions > 0 and max(held) == max_live_blocks(SlidingWindow(W), BS) == 3
+    assert len(engine.snapshot.cache.group_kinds) == 6 and max(metered) > 0
     again = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0]  # (the last to finish: its blocks still cached)
     assert again.num_cached_tokens == 48 and list(again.outputs[0].token_ids) == got[2]
+    assert_clean(llm)
+
+
+def test_gemma3_beams_and_samples_fork_every_group(gemma3):
+    """Beams fork every group's tables and free them as beams die (transformers' beams on the same
+    weights); parallel samples share the prompt's blocks in every group. (Each beam copies its shared
+    last block in each of the six groups: a pool of 40 blocks holds no three beams of this prompt.)"""
+    path, hf = gemma3
+    llm = LLM(path, dtype="float32", num_kv_blocks=96, block_size=BS)
+    (beams,) = llm.beam_search([PROMPTS[2]], BeamSearchParams(beam_width=3, max_tokens=10))
+    with torch.no_grad():
+        ids = torch.tensor([PROMPTS[2]])
+        want = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            num_beams=3,
+            num_return_sequences=3,
+            do_sample=False,
+            max_new_tokens=10,
+            eos_token_id=None,
+            pad_token_id=0,
+            length_penalty=1.0,
+        )
+    assert [c.token_ids for c in beams.outputs] == want[:, len(PROMPTS[2]) :].tolist()
+    samples = llm.generate([PROMPTS[1]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12), use_tqdm=False)
+    assert len({tuple(c.token_ids) for c in samples[0].outputs}) > 1
     assert_clean(llm)
 
 
