@@ -157,6 +157,18 @@ def rows(results: Path) -> list[tuple[str, str, str, str]]:
         out.append((f"Tensor parallelism on {d['cores']} CPU cores (gloo): memory per rank, not speed",
                     "beyond the seeds (vLLM's Megatron-style split)",
                     got, "tensor_parallel"))  # fmt: skip
+    d = _load(results, "kv_groups")
+    if d:
+        g = {(r["model"], r["tokens"]): r for r in d["per_sequence"]}
+        n = max(r["tokens"] for r in d["per_sequence"])
+        pool = {r["model"]: r for r in d["one_pool"]}["gemma-3-27b"]
+        got = (f"Gemma 3 27B at {n:,} tokens: {g[('gemma-3-27b', n)]['ratio']:.3f}x the bytes (gpt-oss-20b "
+               f"{g[('gpt-oss-20b', n)]['ratio']:.3f}x, Llama 4 Scout {g[('llama-4-scout', n)]['ratio']:.3f}x); "
+               f"{pool['grouped']} sequences of {pool['tokens']:,} tokens in {pool['pool_gib']} GiB against "
+               f"{pool['full']}")  # fmt: skip
+        out.append(("KV-cache groups (a table per kind of layer) against every layer as full attention",
+                    "beyond the seeds (vLLM's hybrid allocator: ~10x KV capacity, Gemma 3)", got,
+                    "kv_groups"))  # fmt: skip
     return out
 
 

@@ -97,6 +97,39 @@ def test_estimate_matches_the_formula_by_hand():
     assert "30 layers x 3 kv heads x head_dim 64" in r.stdout and "| bfloat16 | 22.50 KiB | 360.00 KiB |" in r.stdout
 
 
+def test_estimate_counts_each_kv_cache_group_by_hand():
+    r = kvpage("estimate", "--model", "gemma-3-27b", "--max-len", "32768", "--batch", "1", "--gpu-memory", "80")
+    assert r.returncode == 0, r.stderr
+    # 10 global layers in 2 groups of 5, 52 local ones (window 1024) in 11 groups (the last of 2): a block
+    # holds 5 layers' K and V, 5 x 2 x 16 kv heads x 128 x 2 bytes x 16 tokens = 655,360 B. At 32,768 tokens
+    # each global group holds all 2,048 blocks, each local one the 64 of its last 1,024 tokens: 4,800 blocks
+    # = 3,145,728,000 B = 2.93 GiB, against 62 layers x 2,048 x 131,072 B = 15.50 GiB: 0.189
+    assert "| 32768 | 4096 | 704 | 2.93 GiB | 15.50 GiB | 0.189 |" in r.stdout
+    # at 1,024 tokens nothing is behind any window: 13 groups x 64 blocks of 5 layers (3 slots of 65 unused)
+    assert "| 1024 | 128 | 704 | 520.00 MiB | 496.00 MiB | 1.048 |" in r.stdout
+    # what fits an 80 GiB GPU beside bfloat16 weights (20.69 GiB): 20.69 GiB // 2.93 GiB = 7 sequences
+    assert "| bfloat16 | 50.31 GiB | 20.69 GiB | 7 | 7 |" in r.stdout
+
+
+def test_the_estimate_of_groups_is_what_the_manager_holds():
+    """`group_blocks` (the estimate's arithmetic) against the KV-cache manager itself on gpt-oss's and
+    Llama 4 Scout's layers, at lengths around the window and the chunk."""
+    from kvpage.core import KVCacheManager
+    from kvpage.core.kv_spec import group_layers
+    from kvpage.tools.kv_estimate import group_blocks, resolve_shape
+
+    for name in ("gpt-oss-20b", "llama-4-scout"):
+        shape = resolve_shape(name)
+        groups = group_layers(shape.specs)
+        for n in (100, 128, 129, 1000, 8192, 8200):
+            mgr = KVCacheManager(8192, 16, group_specs=[g.spec for g in groups], watermark=0.0)
+            adm = mgr.check_admission([list(range(n))])
+            mgr.admit(["s"], [list(range(n))], adm)
+            mgr.finish_step([("s", n, None)])
+            held = tuple(sum(b is not None for b in mgr.block_table("s", g)) for g in range(len(groups)))
+            assert held == group_blocks(shape, 16, n).blocks, (name, n)
+
+
 def test_blocks_advice_matches_hand_computation(tmp_path):
     f = tmp_path / "lengths.jsonl"
     f.write_text("\n".join(json.dumps(x) for x in [100, 100, {"length": 300}, {"prompt_len": 200, "output_len": 60}]))

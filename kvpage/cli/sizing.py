@@ -13,7 +13,8 @@ def add_estimate(sub) -> None:
                        "per block, and for a batch pre-allocated to the maximum length versus paged at the actual "
                        "lengths, for every KV dtype.")  # fmt: skip
     p.add_argument("--model", default="smollm2", help="llama-2-7b, llama-2-13b, llama-2-70b, llama-3-8b, "
-                   "gpt-3-175b, a config.json, a directory, a .gguf or smollm2 (default)")  # fmt: skip
+                   "gpt-3-175b, gemma-3-27b, mistral-small-24b, mistral-7b, gpt-oss-20b, llama-4-scout, qwen3-32b, "
+                   "a config.json, a directory, a .gguf or smollm2 (default)")  # fmt: skip
     p.add_argument("--batch", type=int, default=8, help="sequences (default 8)")
     p.add_argument("--max-len", type=int, default=2048, help="length each is pre-allocated for (default 2048)")
     p.add_argument("--actual-len", type=int, default=None, help="actual length of every sequence (default max-len/2)")
@@ -63,7 +64,8 @@ def add_blocks(sub) -> None:
 
 
 def _estimate(args) -> int:
-    from kvpage.tools.kv_estimate import fit_report, report, resolve_shape
+    from kvpage.core.kv_spec import FULL
+    from kvpage.tools.kv_estimate import fit_report, group_report, report, resolve_shape
 
     if args.batch < 1 or args.max_len < 1 or args.block_size < 1:
         raise ValueError("--batch, --max-len and --block-size must be positive")
@@ -76,6 +78,9 @@ def _estimate(args) -> int:
         lens = [args.actual_len or max(1, args.max_len // 2)] * args.batch
     shape = resolve_shape(args.model).per_rank(args.tensor_parallel_size)
     print(report(shape, args.block_size, args.batch, args.max_len, lens))
+    if any(s is not FULL for s in shape.specs):  # layers that read a window or chunks: what each group holds
+        print()
+        print(group_report(shape, args.block_size, sorted({1024, 8192, 32768, args.max_len})))
     if args.gpu_memory is not None:
         print()
         print(fit_report(shape, args.gpu_memory, args.gpu_memory_utilization, args.reserve, args.batch, args.max_len,

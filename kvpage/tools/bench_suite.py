@@ -26,6 +26,7 @@ SUITE = {
     "read_budget": "a decode read budget (Quest): decode tokens/s and fidelity against StreamingLLM and H2O",
     "demotion": "blocks demoted to int8 / int4 instead of dropped, at equal memory against H2O and StreamingLLM",
     "tensor_parallel": "tensor parallelism on CPU at TP=1/2/3: memory per rank, step time, share in all-reduces",
+    "kv_groups": "KV-cache groups (sliding windows, chunks) against every layer sized as full attention",
 }
 
 

@@ -8,6 +8,9 @@ one formula the engine, CacheStats and /metrics use too)
 and what it means for a batch: a cache pre-allocated to the maximum length for every sequence,
 against a paged cache that holds the actual lengths rounded up to whole blocks.
 
+A model whose layers read in several ways (sliding windows, chunks: kv_spec.py) is counted per KV-cache
+group as the manager holds it (`group_report`): a window's group only the blocks its window still reads.
+
 Where the model's dimensions are known, also its weights, as kvpage stores them (linears at the
 weight dtype, an int8 output projection under quantization, embeddings and norms in bfloat16), and,
 given a GPU's memory, how many sequences of the maximum length fit beside them for each weight and
@@ -25,6 +28,7 @@ from pathlib import Path
 
 from kvpage.core.block import cdiv
 from kvpage.core.kv_bytes import ELEMENT_BYTES, kv_bytes_per_token
+from kvpage.core.kv_spec import FULL, ChunkedLocal, LayerSpec, SlidingWindow, group_layers, num_releasable, page_layers
 from kvpage.distributed.shard import check_split, local_kv_heads
 
 KV_DTYPES = ELEMENT_BYTES  # bytes per stored value; int8 / fp8 add their scales
@@ -46,6 +50,7 @@ class ModelDims:
     heads: int
     tied: bool  # the output projection is the embedding
     mlp_matrices: int = 3  # gate, up, down (LLaMA); 2 for a plain MLP (GPT-3)
+    experts: int = 1  # a mixture of experts: every expert's MLP is stored (routed and shared ones)
 
 
 # Well-known models the seed documents talk about: (layers, kv_heads, head_dim), then their dimensions
@@ -56,6 +61,24 @@ PRESETS = {
     "llama-2-70b": ((80, 8, 128), ModelDims(8192, 28672, 32000, 64, False)),
     "llama-3-8b": ((32, 8, 128), ModelDims(4096, 14336, 128256, 32, False)),
     "gpt-3-175b": ((96, 96, 128), ModelDims(12288, 49152, 50257, 96, True, mlp_matrices=2)),
+    # models of 2025-26, from their published config.json files (text models; MoE: every expert stored)
+    "gemma-3-27b": ((62, 16, 128), ModelDims(5376, 21504, 262208, 32, True)),
+    "mistral-small-24b": ((40, 8, 128), ModelDims(5120, 32768, 131072, 32, False)),
+    "mistral-7b": ((32, 8, 128), ModelDims(4096, 14336, 32000, 32, False)),  # v0.1: a 4,096-token window
+    "gpt-oss-20b": ((24, 8, 64), ModelDims(2880, 2880, 201088, 64, False, experts=32)),
+    "llama-4-scout": ((48, 8, 128), ModelDims(5120, 8192, 202048, 40, False, experts=17)),
+    "qwen3-32b": ((64, 8, 128), ModelDims(5120, 25600, 151936, 64, False)),
+}
+
+# What each layer of a preset reads, where not every layer is full attention (their configs' layer_types,
+# sliding_window, attention_chunk_size): Gemma 3 a 1,024-token window on five layers of six (every sixth
+# global); gpt-oss a 128-token window on every other layer, from the first; Llama 4 Scout 8,192-token chunks
+# on three layers of four (every fourth global, without RoPE); Mistral 7B v0.1 a 4,096-token window everywhere.
+PRESET_LAYERS: dict[str, tuple[LayerSpec, ...]] = {
+    "gemma-3-27b": tuple(FULL if (i + 1) % 6 == 0 else SlidingWindow(1024) for i in range(62)),
+    "gpt-oss-20b": tuple(SlidingWindow(128) if i % 2 == 0 else FULL for i in range(24)),
+    "llama-4-scout": tuple(FULL if i % 4 == 3 else ChunkedLocal(8192) for i in range(48)),
+    "mistral-7b": (SlidingWindow(4096),) * 32,
 }
 
 
@@ -66,6 +89,11 @@ class KVShape:
     kv_heads: int
     head_dim: int
     dims: ModelDims | None = None
+    layer_specs: tuple[LayerSpec, ...] | None = None  # what each layer reads (None: full attention everywhere)
+
+    @property
+    def specs(self) -> tuple[LayerSpec, ...]:
+        return self.layer_specs or (FULL,) * self.layers
 
     def bytes_per_token(self, dtype: str) -> int:
         return kv_bytes_per_token(self.layers, self.kv_heads, self.head_dim, dtype)
@@ -79,12 +107,13 @@ class KVShape:
         check_split(n, d.heads, self.kv_heads, d.intermediate)
         dims = dataclasses.replace(d, heads=d.heads // n, intermediate=d.intermediate // n)
         return KVShape(f"{self.name} (one rank of {n})", self.layers, local_kv_heads(n, self.kv_heads),
-                       self.head_dim, dims)  # fmt: skip
+                       self.head_dim, dims, self.layer_specs)  # fmt: skip
 
     def linear_params(self) -> int:
         d = self._dims()
         q, kv = d.heads * self.head_dim, self.kv_heads * self.head_dim
-        return self.layers * (d.hidden * (q + 2 * kv) + q * d.hidden + d.mlp_matrices * d.hidden * d.intermediate)
+        mlp = d.experts * d.mlp_matrices * d.hidden * d.intermediate
+        return self.layers * (d.hidden * (q + 2 * kv) + q * d.hidden + mlp)
 
     def params(self) -> int:
         d = self._dims()
@@ -118,7 +147,7 @@ def resolve_shape(model: str) -> KVShape:
     key = model.lower()
     if key in PRESETS:
         kv, dims = PRESETS[key]
-        return KVShape(key, *kv, dims)
+        return KVShape(key, *kv, dims, PRESET_LAYERS.get(key))
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
@@ -129,7 +158,7 @@ def resolve_shape(model: str) -> KVShape:
     else:
         cfg = _gguf_config(model)
     dims = ModelDims(cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_heads, cfg.tie_word_embeddings)
-    return KVShape(model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dims)
+    return KVShape(model, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dims, cfg.layer_specs)
 
 
 def _gguf_config(model: str):
@@ -188,6 +217,62 @@ def report(shape: KVShape, block_size: int, batch: int, max_len: int, actual_len
 GIB = 1 << 30
 
 
+@dataclass(slots=True, frozen=True)
+class GroupBlocks:
+    """A sequence of `tokens` tokens, computed, as the KV-cache manager holds it between steps."""
+
+    tokens: int
+    blocks: tuple[int, ...]  # per KV-cache group (a window's: only what it still reads)
+    block_bytes: int  # one block id: page_layers layers' K and V of block_size tokens
+    full_blocks: int  # every layer sized as full attention: blocks of every layer's KV
+    full_block_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.blocks) * self.block_bytes
+
+    @property
+    def full_bytes(self) -> int:
+        return self.full_blocks * self.full_block_bytes
+
+
+def group_blocks(shape: KVShape, block_size: int, tokens: int, dtype: str = "bfloat16") -> GroupBlocks:
+    """Blocks and bytes a sequence of `tokens` computed tokens holds in each KV-cache group (the
+    manager's rule: a window's group released what no later query reads, layer_window.py), against
+    one table of every layer's KV (every layer sized as full attention)."""
+    groups = group_layers(shape.specs)
+    n = cdiv(tokens, block_size)
+    held = tuple(n - num_releasable(g.spec, tokens, block_size) for g in groups)
+    per_layer = kv_bytes_per_token(1, shape.kv_heads, shape.head_dim, dtype) * block_size
+    return GroupBlocks(tokens, held, per_layer * page_layers(groups), n, per_layer * shape.layers)
+
+
+def group_report(shape: KVShape, block_size: int, lengths: list[int], dtype: str = "bfloat16") -> str:
+    """Per KV-cache group, what one sequence of each length holds, against every layer as full attention."""
+    groups = group_layers(shape.specs)
+    kinds: dict[str, list[int]] = {}
+    for g in groups:
+        kinds.setdefault(g.spec.describe(), []).append(g.index)
+    lines = [
+        f"KV-cache groups of {shape.name} ({dtype} KV, blocks of {block_size}): "
+        + "; ".join(
+            f"{sum(len(groups[i].layers) for i in ix)} layers of {k} in {len(ix)} group{'s' * (len(ix) > 1)}"
+            for k, ix in kinds.items()
+        )  # fmt: skip
+        + f"; a block holds {page_layers(groups)} layers' KV (one per layer of a group)",
+        "",
+        "| tokens | " + " | ".join(f"{k}: blocks" for k in kinds) + " | bytes | every layer as full attention "
+        "| ratio |",
+        "|---|" + "---|" * len(kinds) + "---|---|---|",
+    ]
+    for n in lengths:
+        gb = group_blocks(shape, block_size, n, dtype)
+        cells = [str(sum(gb.blocks[i] for i in ix)) for ix in kinds.values()]
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {human(gb.bytes)} | {human(gb.full_bytes)} | "
+                     f"{gb.bytes / gb.full_bytes:.3f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def fit_report(shape: KVShape, gpu_gib: float, utilization: float, reserve_gib: float, batch: int, max_len: int,
                block_size: int) -> str:  # fmt: skip
     """The weights under each weight dtype, and how many sequences of `max_len` tokens fit in what a
@@ -199,7 +284,6 @@ def fit_report(shape: KVShape, gpu_gib: float, utilization: float, reserve_gib: 
         raise ValueError("--gpu-memory must be positive and --reserve not negative")
     d = shape._dims()
     budget = gpu_gib * GIB * utilization - reserve_gib * GIB
-    slots = cdiv(max_len, block_size) * block_size
     kv_dtypes = [k for k in KV_DTYPES if k != "float32"]
     lines = [
         f"Weights of {shape.name}: {shape.params() / 1e9:.2f} B parameters (hidden {d.hidden}, intermediate "
@@ -214,7 +298,8 @@ def fit_report(shape: KVShape, gpu_gib: float, utilization: float, reserve_gib: 
     for wd in WEIGHT_BYTES:
         w = shape.weight_bytes(wd)
         room = budget - w
-        counts = {k: max(0, int(room // (shape.bytes_per_token(k) * slots))) for k in kv_dtypes}
+        # (each sequence at max_len as the manager holds it: a window's group only its window's blocks)
+        counts = {k: max(0, int(room // group_blocks(shape, block_size, max_len, k).bytes)) for k in kv_dtypes}
         ok = [k for k in kv_dtypes if counts[k] >= batch]
         if ok:
             answers.append(f"{wd} weights with {' / '.join(ok)} KV")

@@ -27,6 +27,7 @@ KEYS = {
     "read_budget": ["speed", "fidelity"],
     "demotion": ["rows", "budgets", "cost"],
     "tensor_parallel": ["rows", "cores"],
+    "kv_groups": ["per_sequence", "one_pool", "speed", "hits"],
 }
 
 

@@ -120,11 +120,15 @@ def test_groups_of_alternating_and_five_to_one_layers():
     assert gemma3[3].slot_of(6) == 1
 
 
-def test_groups_whose_sizes_do_not_divide_end_with_a_smaller_group():
+def test_groups_whose_sizes_do_not_divide_end_with_a_smaller_group_within_the_padding_allowed():
     w = SlidingWindow(64)
-    groups = group_layers([FULL] * 7 + [w] * 3)  # Qwen2 with max_window_layers=7 of 10
-    assert [len(g.layers) for g in groups] == [3, 3, 1, 3]
+    groups = group_layers([FULL] * 7 + [w] * 3, max_padding=0.2)  # Qwen2 with max_window_layers=7 of 10
+    assert [len(g.layers) for g in groups] == [3, 3, 1, 3]  # 2 slots of 10 unused: 20%
     assert page_layers(groups) == 3
+    assert page_layers(group_layers([FULL] * 7 + [w] * 3)) == 1  # (within 5%: groups of one layer)
+    gemma3_27b = [FULL if (i + 1) % 6 == 0 else w for i in range(62)]  # 10 global, 52 local
+    groups = group_layers(gemma3_27b)  # groups of 10 would leave 8 slots of 62 unused, of 6 four: 5 leave 3
+    assert page_layers(groups) == 5 and [len(g.layers) for g in groups].count(2) == 1 and len(groups) == 13
     with pytest.raises(ValueError, match="at least one layer"):
         group_layers([])
 
