@@ -120,8 +120,9 @@ def decode_speed(model: str, context: int, gen: int) -> float:
     """Decode tokens/s of one stream once `context` tokens are cached (its prompt's steps not timed)."""
     from kvpage import SamplingParams
 
-    engine = _llm(model, num_kv_blocks=6 * (context + gen) // BS + 64, enable_prefix_caching=False,
-                  max_model_len=context + gen).llm_engine
+    engine = _llm(
+        model, num_kv_blocks=6 * (context + gen) // BS + 64, enable_prefix_caching=False, max_model_len=context + gen
+    ).llm_engine
     prompt = [(i * 37) % 40000 + 3 for i in range(context)]
     engine.add_request("s", prompt, SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True))
     while not any(o.outputs[0].token_ids for o in engine.step()):  # the prompt, to its first token

@@ -80,17 +80,18 @@ class AttentionBackend(Protocol):
 # How a sequence is read in one layer (`read_path`), from the plainest to the most demanding.
 DENSE = "dense"  # its table, every block: any backend's kernel
 BOUNDED = "bounded"  # the blocks its read budget chooses by key bounds (key_bounds.py): the CPU kernels, the reference
-WINDOWED = "windowed"  # its table, the keys behind the layer's sliding window masked: the reference
+WINDOWED = "windowed"  # its table, the keys behind the layer's sliding window masked, or soft-capped: the reference
 MASS = "mass"  # its table, and the mass each block received (H2O): the reference
 DEMOTED = "demoted"  # its table and its demoted blocks, explicitly (demoted.py): the reference
 _RANK = {DENSE: 0, BOUNDED: 1, WINDOWED: 2, MASS: 3, DEMOTED: 4}
 
 
-def read_path(meta: AttentionMetadata, i: int, bounded: bool, window: int = 0) -> str:
-    """Which path reads sequence i in a layer (`bounded`: the layer keeps key bounds; `window`: the
-    keys it reads, 0 for all): the one place that decides it from what the layer is and what the step
-    asks of attention (meta.reads). A window goes with no eviction policy nor read budget (compat.py)."""
-    if window:
+def read_path(meta: AttentionMetadata, i: int, bounded: bool, shaped: bool = False) -> str:
+    """Which path reads sequence i in a layer (`bounded`: the layer keeps key bounds; `shaped`: it
+    reads a window, or soft-caps its scores, LayerKV.shaped): the one place that decides it from what
+    the layer is and what the step asks of attention (meta.reads). A window goes with no eviction policy
+    nor read budget (compat.py)."""
+    if shaped:
         return WINDOWED
     reads = meta.reads
     if reads.empty:
@@ -104,10 +105,10 @@ def read_path(meta: AttentionMetadata, i: int, bounded: bool, window: int = 0) -
     return DENSE
 
 
-def decodes_path(meta: AttentionMetadata, bounded: bool, window: int = 0) -> str:
+def decodes_path(meta: AttentionMetadata, bounded: bool, shaped: bool = False) -> str:
     """The path a step's decodes take together (they are attended as one batch): the most demanding
     of theirs."""
-    if window:
+    if shaped:
         return WINDOWED
     if meta.reads.empty:
         return DENSE

@@ -60,7 +60,7 @@ class CpuPagedBackend(TorchReferenceBackend):
         self._bounds(kv.k, kv.k_scale, kv.k_min, kv.k_max, slots)
 
     def decodes(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
-        path = decodes_path(meta, kv.bounded, kv.window)
+        path = decodes_path(meta, kv.bounded, kv.shaped)
         if not _kernel_reads(kv, q.dtype) or path not in (DENSE, BOUNDED):  # H2O's mass, demoted blocks, a window
             return super().decodes(out, q, kv, meta, scale)
         n = meta.num_decodes
@@ -71,7 +71,7 @@ class CpuPagedBackend(TorchReferenceBackend):
         m, n = q.shape[0], meta.seq_lens_list[i]
         limit = self.decode_chunks_up_to
         as_decodes = limit is None or (m < n and m <= limit)
-        if not _kernel_reads(kv, q.dtype) or not as_decodes or read_path(meta, i, kv.bounded, kv.window) != DENSE:
+        if not _kernel_reads(kv, q.dtype) or not as_decodes or read_path(meta, i, kv.bounded, kv.shaped) != DENSE:
             return super().prefill_chunk(out, q, k, v, kv, meta, i, scale)
         # query r sits at position n - m + r and sees the keys 0 .. n - m + r: a decode of that length
         tables = meta.block_tables[i : i + 1].expand(m, -1)

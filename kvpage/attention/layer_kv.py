@@ -40,6 +40,13 @@ class LayerKV:
     # the keys a query reads, its own included (a sliding-window layer, core/kv_spec.py); 0: all. In a
     # table's coordinates too: the blocks the window released are whole leading ones (layer_window.py)
     window: int = 0
+    # Gemma 2's attention logit soft-capping: scores = softcap * tanh(scores / softcap), before the mask; 0: none
+    softcap: float = 0.0
+
+    @property
+    def shaped(self) -> bool:
+        """The layer shapes its scores (a window, a soft cap): only the reference attention reads it."""
+        return bool(self.window or self.softcap)
 
     @property
     def quantized(self) -> bool:

@@ -22,10 +22,12 @@ meta.reads.mass) comes from here: decodes sum the probabilities they compute any
 prefill chunk that wants it is attended with explicit scores instead of the fused SDPA, which does
 not return them. A decode within a read budget (BOUNDED) reads the blocks key_bounds.py chooses.
 
-A sliding-window layer (`kv.window` = W; WINDOWED) masks every key W or more positions behind its
-query, as transformers does, on the dense code; positions in the table serve, since what the window
-released is whole leading blocks (core/layer_window.py). A decode group's mask is made once per step
-and shared by the layers (they have one window).
+A layer that soft-caps its scores (Gemma 2: `kv.softcap` = c, scores = c tanh(scores / c) before the
+mask) is read on the explicit paths, its prefill chunks too. A sliding-window layer (`kv.window` = W;
+WINDOWED) masks every key W or more positions behind its query, as transformers does, on the dense
+code; positions in the table serve, since what the window released is whole leading blocks
+(core/layer_window.py). A decode group's mask is made once per step and shared by the layers (they
+have one window).
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ class TorchReferenceBackend:
     def prefill_chunk(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> None:
         """out = attention of the chunk's queries (sequence i, its last len(q) positions)."""
         n = meta.seq_lens_list[i]
-        if read_path(meta, i, kv.bounded) in (MASS, DEMOTED):
+        if kv.softcap or read_path(meta, i, kv.bounded) in (MASS, DEMOTED):  # (a soft cap: scores made explicit)
             return self._explicit(out, q, k, v, kv, meta, i, scale)
         # 4-D inputs ([1, heads, tokens, d]): torch's fused CPU kernel takes those, and is 3-4x
         # faster than the generic path that 3-D inputs fall back to.
@@ -199,6 +201,8 @@ class TorchReferenceBackend:
         group = q.shape[1] // kv_heads
         qh = q.view(m, kv_heads, group, d).permute(1, 2, 0, 3).reshape(kv_heads, group * m, d)
         scores = torch.bmm(qh, keys.transpose(1, 2)).float().mul_(scale).view(kv_heads, group, m, c + n)
+        if kv.softcap:
+            scores = torch.tanh(scores / kv.softcap).mul_(kv.softcap)
         visible = torch.arange(-c, n, device=q.device)[None, :] <= torch.arange(n - m, n, device=q.device)[:, None]
         if kv.window:
             visible &= (
@@ -251,7 +255,10 @@ class TorchReferenceBackend:
                 keys = dequantize(keys, kv.k_scale[:, h][blocks].view(n, nb * bs), q.dtype)
                 values = dequantize(values, kv.v_scale[:, h][blocks].view(n, nb * bs), q.dtype)
             scores = torch.bmm(qg[:, h], keys.transpose(1, 2)).float()  # [n, group, L]
-            probs = torch.add(bias, scores, alpha=scale).softmax(-1)  # bias masks the padding
+            if kv.softcap:
+                probs = (bias + torch.tanh(scores * (scale / kv.softcap)) * kv.softcap).softmax(-1)
+            else:
+                probs = torch.add(bias, scores, alpha=scale).softmax(-1)  # bias masks the padding
             if meta.reads.mass is not None:  # H2O: each block's share of the softmax
                 meta.reads.mass[:, :nb].index_add_(0, rows, probs.sum(1).view(n, nb, bs).sum(-1))
             out[:, h] = torch.bmm(probs.to(q.dtype), values)

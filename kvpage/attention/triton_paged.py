@@ -86,7 +86,7 @@ class TritonPagedBackend(TorchReferenceBackend):
         )  # fmt: skip
 
     def decodes(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
-        if not _covered(kv) or decodes_path(meta, kv.bounded, kv.window) != DENSE:  # (a budget, a window: reference)
+        if not _covered(kv) or decodes_path(meta, kv.bounded, kv.shaped) != DENSE:  # (a budget, a window: reference)
             return super().decodes(out, q, kv, meta, scale)
         n = meta.num_decodes
         num_kv_heads, block_size, d = kv.k.shape[1:]
@@ -116,7 +116,7 @@ class TritonPagedBackend(TorchReferenceBackend):
         first, count = meta.num_decodes, meta.num_seqs - meta.num_decodes
         if count == 0:
             return
-        dense = all(read_path(meta, i, kv.bounded, kv.window) == DENSE for i in range(first, meta.num_seqs))
+        dense = all(read_path(meta, i, kv.bounded, kv.shaped) == DENSE for i in range(first, meta.num_seqs))
         if not _covered(kv) or not dense:
             return super().prefills(out, q, k, v, kv, meta, scale)
         num_kv_heads, block_size, d = kv.k.shape[1:]

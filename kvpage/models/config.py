@@ -8,7 +8,7 @@ from typing import Any
 from kvpage.core.kv_bytes import kv_bytes_per_token
 from kvpage.core.kv_spec import FULL, KVGroup, LayerSpec, SlidingWindow, group_layers, layer_specs
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma3_text")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -37,14 +37,17 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None
     # which layers rotate q and k (SmolLM3's `no_rope_layers`: 1 = RoPE, 0 = none, "NoPE"); None: every layer
     rope_layers: tuple[bool, ...] | None = None
-    # Gemma 3: GELU (tanh) gating, an attention scale of query_pre_attn_scalar ** -0.5, embeddings times
-    # sqrt(hidden), norms around both branches of a layer (weights stored as 1 + w), and the sliding
-    # layers' own RoPE base
+    # Gemma 2 and 3: GELU (tanh) gating, an attention scale of query_pre_attn_scalar ** -0.5, embeddings
+    # times sqrt(hidden), norms around both branches of a layer (weights stored as 1 + w); Gemma 3 the
+    # sliding layers' own RoPE base
     hidden_act: str = "silu"
     query_pre_attn_scalar: float | None = None  # the attention scale is its ** -0.5; None: head_dim
     embed_scale: float | None = None
     sandwich_norms: bool = False
     local_rope_theta: float | None = None
+    # Gemma 2: attention scores soft-capped, cap * tanh(scores / cap), and the final logits likewise
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -103,6 +106,7 @@ class ModelConfig:
                     "phi3": "Phi3ForCausalLM",
                     "smollm3": "SmolLM3ForCausalLM",
                     "gemma3_text": "Gemma3ForCausalLM",
+                    "gemma2": "Gemma2ForCausalLM",
                 }.get(self.architecture, "LlamaForCausalLM")
             ],
             "model_type": self.architecture,
@@ -124,13 +128,15 @@ class ModelConfig:
         }
         if self.rope_layers is not None:
             hf["no_rope_layers"] = [int(r) for r in self.rope_layers]
-        if self.architecture == "gemma3_text":
+        if self.architecture in ("gemma2", "gemma3_text"):
             full = {"rope_theta": self.rope_theta, **(self.rope_scaling or {"rope_type": "default"})}
             local = {"rope_type": "default", "rope_theta": self.local_rope_theta}
+            rope = full if self.architecture == "gemma2" else {"full_attention": full, "sliding_attention": local}
             hf |= {"hidden_activation": self.hidden_act, "query_pre_attn_scalar": self.query_pre_attn_scalar,
                    "sliding_window": self.sliding_window,
                    "layer_types": list(self.layer_types or ["full_attention"] * self.num_layers),
-                   "rope_parameters": {"full_attention": full, "sliding_attention": local}}  # fmt: skip
+                   "rope_parameters": rope, "attn_logit_softcapping": self.attn_logit_softcapping,
+                   "final_logit_softcapping": self.final_logit_softcapping}  # fmt: skip
         elif self.architecture in ("mistral", "phi3"):
             hf["sliding_window"] = self.sliding_window
         elif self.layer_types is not None:
@@ -143,8 +149,8 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """From a Hugging Face config.json."""
         model_type = hf.get("model_type", "llama")
-        if model_type == "gemma3_text":
-            return _gemma3(cls, hf)
+        if model_type in ("gemma2", "gemma3_text"):
+            return _gemma(cls, hf)
         rope_scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
         if rope_scaling is not None:
             rope_scaling = dict(rope_scaling)
@@ -201,37 +207,47 @@ def _shape(hf: dict[str, Any], **defaults) -> dict[str, Any]:
     )
 
 
-def _gemma3(cls, hf: dict[str, Any]) -> ModelConfig:
-    """Gemma 3's text model (Gemma3TextConfig): windows on five layers of six, each kind its own RoPE."""
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if hf.get(key) is not None:
-            raise ValueError(f"Gemma with {key} is not supported yet")
+def _gemma(cls, hf: dict[str, Any]) -> ModelConfig:
+    """Gemma 2 (Gemma2Config: a window on every other layer, attention and final logits soft-capped) and
+    Gemma 3's text model (Gemma3TextConfig: windows on five layers of six, each kind its own RoPE, q/k norm)."""
+    gemma2 = hf.get("model_type") == "gemma2"
     if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         raise ValueError(f"Gemma with hidden_activation {hf['hidden_activation']!r} is not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("Gemma with use_bidirectional_attention (an encoder) is not supported")
     n = hf["num_hidden_layers"]
-    pattern = hf.get("sliding_window_pattern", 6)
+    pattern = 2 if gemma2 else hf.get("sliding_window_pattern", 6)
     types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     rope = hf.get("rope_parameters") or {}
-    full, local = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
-    full_theta, local_theta = full.pop("rope_theta", 1_000_000.0), local.pop("rope_theta", 10_000.0)
+    if gemma2:  # one RoPE for every layer
+        full = dict(rope) if "rope_type" in rope or "rope_theta" in rope else {"rope_theta": hf.get("rope_theta")}
+        local = {}
+    else:
+        full, local = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
+    full_theta = full.pop("rope_theta", None) or (10_000.0 if gemma2 else 1_000_000.0)
+    local_theta = local.pop("rope_theta", 10_000.0)
     if local.get("rope_type", "default") != "default":
         raise ValueError("Gemma's sliding layers with a scaled RoPE are not supported")
     scaling = full if full.get("rope_type", "default") != "default" else None
-    shape = _shape(hf, max_position_embeddings=131_072, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1)
+    shape = _shape(hf, max_position_embeddings=8192 if gemma2 else 131_072, tie_word_embeddings=True, bos_token_id=2,
+                   eos_token_id=1)  # fmt: skip
+    caps = {k: (float(hf[k]) if hf.get(k) is not None else None)
+            for k in ("attn_logit_softcapping", "final_logit_softcapping")}  # fmt: skip
     return cls(
         **shape,
         rope_theta=float(full_theta),
         rope_scaling=scaling,
         attention_bias=bool(hf.get("attention_bias", False)),
-        architecture="gemma3_text",
+        architecture="gemma2" if gemma2 else "gemma3_text",
         sliding_window=hf.get("sliding_window") if "sliding_attention" in types else None,
-        qk_norm=True,
+        qk_norm=not gemma2,
         layer_types=tuple(types) if "sliding_attention" in types else None,
         hidden_act="gelu_pytorch_tanh",
         query_pre_attn_scalar=hf.get("query_pre_attn_scalar", shape["head_dim"]),
         embed_scale=float(hf["hidden_size"]) ** 0.5,
         sandwich_norms=True,
-        local_rope_theta=float(local_theta),
+        local_rope_theta=None if gemma2 else float(local_theta),
+        **caps,
     )
 
 

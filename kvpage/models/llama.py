@@ -281,7 +281,9 @@ class LlamaForCausalLM(nn.Module):
         weight = self.head_weight  # a QuantizedWeight under weight-only quantization
         if weight is None:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.ops.linear(hidden, weight)
+        logits = self.ops.linear(hidden, weight)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap  # (Gemma 2)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

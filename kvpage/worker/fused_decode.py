@@ -60,7 +60,7 @@ class FusedDecode:
     def run(self, x, cos, sin, kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor | None:
         """The final-norm hidden states [T, hidden] of a pure decode step, or None if it does not apply."""
         bounded = not meta.reads.empty and any(kv.bounded for kv in kv_caches)
-        path = decodes_path(meta, bounded, max(kv.window for kv in kv_caches))
+        path = decodes_path(meta, bounded, any(kv.shaped for kv in kv_caches))
         if meta.num_decodes != meta.num_seqs or path not in (DENSE, BOUNDED) or not self.applies_to(self.model):
             return None  # (H2O's mass, demoted blocks, a window: the reference, layer by layer)
         budgets = meta.reads.budgets if path == BOUNDED else None  # blocks each decode reads (key_bounds.py)

@@ -89,12 +89,15 @@ class KVCache:
 
         self.pages = pool(num_blocks, device)
         windows = [spec.window if isinstance(spec, SlidingWindow) else 0 for spec in cfg.layer_specs]
+        softcap = float(cfg.attn_logit_softcapping or 0.0)
         if len(self.groups) == 1:  # (page slot j is layer j)
             for page, window in zip(self.pages, windows, strict=True):
-                page.window = window
+                page.window, page.softcap = window, softcap
             self.layers = self.pages
         else:
-            self.layers = [replace(self.pages[j], window=w) for j, w in zip(slots, windows, strict=True)]
+            self.layers = [
+                replace(self.pages[j], window=w, softcap=softcap) for j, w in zip(slots, windows, strict=True)
+            ]
         self.cpu_layers = pool(num_cpu_blocks, "cpu", pin)  # (pages: the CPU pools hold blocks, read by no layer)
         self.tier_layers = pool(num_tier_blocks, "cpu", pin)  # the CPU tier of the prefix cache
         for precision, n in (cold_blocks or {}).items():

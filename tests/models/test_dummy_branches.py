@@ -37,6 +37,9 @@ CASES = {
                                                                             "rope_theta": 100000.0},
                                                          "sliding_attention": {"rope_type": "default",
                                                                                "rope_theta": 500.0}})),
+    # a window on layer 0, attention scores and final logits soft-capped (caps small enough to bite here)
+    "gemma2": ("Gemma2Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                                    query_pre_attn_scalar=24, attn_logit_softcapping=1.5, final_logit_softcapping=3.0)),
     "smollm3-nope": ("SmolLM3Config", dict(num_attention_heads=4, num_key_value_heads=2, no_rope_layer_interval=2,
                                            pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "rope-linear": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
@@ -70,17 +73,22 @@ def test_config_branches_are_read(pair):
     cfg = ours.config
     assert cfg.attention_bias == name.startswith("qwen2")
     assert (cfg.num_kv_heads == cfg.num_heads) == (name == "llama-mha")
-    assert cfg.tie_word_embeddings == (name in ("llama-mqa", "smollm3-nope", "gemma3"))
+    assert cfg.tie_word_embeddings == (name in ("llama-mqa", "smollm3-nope", "gemma3", "gemma2"))
     assert ((cfg.rope_scaling or {}).get("rope_type")) == {
         "rope-linear": "linear",
         "rope-llama3": "llama3",
         "gemma3": "linear",
     }.get(name)
-    assert cfg.sliding_window == (8 if name in ("mistral-window", "qwen2-window", "phi3-fused", "gemma3") else None)
+    assert cfg.sliding_window == (8 if name in ("mistral-window", "qwen2-window", "phi3-fused", "gemma3", "gemma2")
+                                  else None)  # fmt: skip
     assert cfg.rope_layers == ((True, False) if name == "smollm3-nope" else None)
     assert cfg.layer_types == {"qwen2-window": ("full_attention", "sliding_attention"),
-                               "gemma3": ("sliding_attention", "full_attention")}.get(name)  # fmt: skip
+                               "gemma3": ("sliding_attention", "full_attention"),
+                               "gemma2": ("sliding_attention", "full_attention")}.get(name)  # fmt: skip
     assert cfg.qk_norm == (name in ("qwen3-qk-norm", "gemma3"))
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (
+        (1.5, 3.0) if name == "gemma2" else (None,) * 2
+    )
 
 
 @pytest.mark.same_on_every_kind  # the config's part
