@@ -17,6 +17,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvpage.errors import ParameterError
+
 if TYPE_CHECKING:
     from kvpage.models.config import ModelConfig
 
@@ -43,6 +45,9 @@ class Shard:
     size: int
 
     def check(self, cfg: ModelConfig) -> None:
+        if self.size > 1 and cfg.moe is not None:
+            raise ParameterError("tensor_parallel_size", f"tensor_parallel_size={self.size} does not go with a mixture "
+                                 "of experts yet (its experts are not split across ranks)")  # fmt: skip
         check_split(self.size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size)
 
     def kv_replication(self, cfg: ModelConfig) -> int:

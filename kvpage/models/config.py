@@ -8,8 +8,33 @@ from typing import Any
 from kvpage.core.kv_bytes import kv_bytes_per_token
 from kvpage.core.kv_spec import FULL, KVGroup, LayerSpec, SlidingWindow, group_layers, layer_specs
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma2", "gemma3_text")
+SUPPORTED_ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "phi3",
+    "smollm3",
+    "gemma2",
+    "gemma3_text",
+)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class MoE:
+    """A mixture of experts in place of the MLP (Qwen3-MoE): a router picks `top_k` of `num_experts`
+    SwiGLU experts per token (softmax over all, then the top k, renormalized when `norm_topk_prob`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool = False
+    layers: tuple[bool, ...] | None = None  # which layers' MLP is the mixture (None: every layer)
+
+    def on(self, layer: int) -> bool:
+        return self.layers is None or self.layers[layer]
 
 
 @dataclass(slots=True)
@@ -48,6 +73,7 @@ class ModelConfig:
     # Gemma 2: attention scores soft-capped, cap * tanh(scores / cap), and the final logits likewise
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    moe: MoE | None = None  # a mixture of experts for the MLP (Qwen3-MoE)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -102,6 +128,7 @@ class ModelConfig:
                 {
                     "qwen2": "Qwen2ForCausalLM",
                     "qwen3": "Qwen3ForCausalLM",
+                    "qwen3_moe": "Qwen3MoeForCausalLM",
                     "mistral": "MistralForCausalLM",
                     "phi3": "Phi3ForCausalLM",
                     "smollm3": "SmolLM3ForCausalLM",
@@ -128,6 +155,11 @@ class ModelConfig:
         }
         if self.rope_layers is not None:
             hf["no_rope_layers"] = [int(r) for r in self.rope_layers]
+        if self.moe is not None:
+            m = self.moe
+            hf |= {"num_experts": m.num_experts, "num_experts_per_tok": m.top_k, "norm_topk_prob": m.norm_topk_prob,
+                   "moe_intermediate_size": m.intermediate_size, "decoder_sparse_step": 1,
+                   "mlp_only_layers": [i for i in range(self.num_layers) if not m.on(i)]}  # fmt: skip
         if self.architecture in ("gemma2", "gemma3_text"):
             full = {"rope_theta": self.rope_theta, **(self.rope_scaling or {"rope_type": "default"})}
             local = {"rope_type": "default", "rope_theta": self.local_rope_theta}
@@ -167,7 +199,11 @@ class ModelConfig:
         # Mistral reads a window on every layer: the KV-cache manager releases what falls behind it
         window = hf.get("sliding_window") if model_type in ("mistral", "phi3") else None
         layer_types = None
-        if model_type in ("qwen2", "qwen3", "smollm3") and hf.get("use_sliding_window") and hf.get("sliding_window"):
+        if (
+            model_type in ("qwen2", "qwen3", "qwen3_moe", "smollm3")
+            and hf.get("use_sliding_window")
+            and hf.get("sliding_window")
+        ):
             # windows on the layers from max_window_layers up, as transformers lays them out
             n, first = hf["num_hidden_layers"], hf.get("max_window_layers", 28)
             types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
@@ -180,9 +216,10 @@ class ModelConfig:
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             architecture=model_type,
             sliding_window=window or None,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             layer_types=layer_types,
             rope_layers=_rope_layers(hf) if model_type == "smollm3" else None,
+            moe=_moe(hf) if model_type == "qwen3_moe" else None,
         )
 
 
@@ -249,6 +286,17 @@ def _gemma(cls, hf: dict[str, Any]) -> ModelConfig:
         local_rope_theta=None if gemma2 else float(local_theta),
         **caps,
     )
+
+
+def _moe(hf: dict[str, Any]) -> MoE | None:
+    """Qwen3-MoE's mixture: on every `decoder_sparse_step`-th layer not in `mlp_only_layers`."""
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    if not experts:
+        return None
+    n, step, dense = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+    layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+    return MoE(experts, hf["num_experts_per_tok"], hf["moe_intermediate_size"], bool(hf.get("norm_topk_prob", False)),
+               None if all(layers) else layers)  # fmt: skip
 
 
 def _rope_layers(hf: dict[str, Any]) -> tuple[bool, ...]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterable
 
 import torch
@@ -22,6 +23,9 @@ from kvpage.attention import AttentionBackend, AttentionMetadata, LayerKV, get_b
 from kvpage.models.config import ModelConfig
 from kvpage.models.layer_hook import LayerHook
 from kvpage.models.layer_ops import TorchLayerOps, rms_norm_ref
+
+# one expert's projection in a checkpoint of a mixture of experts (Qwen3-MoE's per-expert names)
+_EXPERT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
 class RMSNorm(nn.Module):
@@ -129,6 +133,38 @@ class MLP(nn.Module):
         return self.ops.linear(act, self.down_proj.weight)
 
 
+class SparseMoE(nn.Module):
+    """A mixture of SwiGLU experts (Qwen3-MoE), the plain torch way: the router's softmax over every
+    expert, its top k per token (renormalized when the config says), each chosen expert run on its
+    tokens in expert order and its output, weighted, added into theirs. Experts are stacked:
+    gate_up_proj [E, 2I, H] (gate rows, then up), down_proj [E, H, I]."""
+
+    def __init__(self, cfg: ModelConfig, ops: TorchLayerOps):
+        super().__init__()
+        moe = cfg.moe
+        assert moe is not None
+        self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)  # the router
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size,
+                                                             cfg.hidden_size))  # fmt: skip
+        self.experts.down_proj = nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size, moe.intermediate_size))
+        self.top_k, self.norm_topk = moe.top_k, moe.norm_topk_prob
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.ops.linear(x, self.gate.weight)  # [T, E]
+        weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in torch.unique(chosen).tolist():  # (ascending: transformers' order of the adds)
+            rows, slot = torch.where(chosen == e)
+            h = self.ops.silu_mul(self.ops.linear(x[rows], self.experts.gate_up_proj[e]))
+            out.index_add_(0, rows, self.ops.linear(h, self.experts.down_proj[e]) * weights[rows, slot, None])
+        return out
+
+
 class DecoderLayer(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(.)). The residual add of each branch is done by the next
     norm (add_rms_norm): a layer takes the residual stream and the previous layer's MLP output still
@@ -140,7 +176,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, backend, ops, rope=cfg.rope_layers is None or cfg.rope_layers[index])
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, ops)
+        self.mlp = SparseMoE(cfg, ops) if cfg.moe is not None and cfg.moe.on(index) else MLP(cfg, ops)
         self.ops = ops
 
     def forward(self, x, delta, cos, sin, kv: LayerKV, meta):
@@ -285,6 +321,15 @@ class LlamaForCausalLM(nn.Module):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap  # (Gemma 2)
 
+    def _expert_slice(self, params: dict, base: str, e: str, part: str) -> tuple[str, str, torch.Tensor]:
+        """(the stacked parameter, the loaded-key, the slice) of expert `e`'s `part` (gate/up/down_proj)."""
+        i = self.config.moe.intermediate_size  # type: ignore[union-attr]
+        if part == "down_proj":
+            return f"{base}.down_proj", f"{base}.down_proj#{e}", params[f"{base}.down_proj"][int(e)]
+        shard = int(part == "up_proj")
+        name = f"{base}.gate_up_proj"
+        return name, f"{name}#{e}.{shard}", params[name][int(e)].narrow(0, shard * i, i)
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors ("model.layers.0.self_attn.q_proj.weight", ...), fusing
@@ -299,6 +344,15 @@ class LlamaForCausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some checkpoints store the tied copy too
+            expert = _EXPERT.fullmatch(name)
+            if expert is not None:  # one expert's projection of a mixture: a slice of the stacked tensors
+                name, key, target = self._expert_slice(params, *expert.groups())
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected "
+                                     f"{tuple(target.shape)}")  # fmt: skip
+                target.copy_(tensor)
+                loaded.add(key)
+                continue
             shard = None
             for hf_part, (ours, idx) in self._FUSED.items():
                 if f".{hf_part}." in name:
@@ -321,6 +375,10 @@ class LlamaForCausalLM(nn.Module):
             part = name.split(".")[-2] if "." in name else ""
             if part in shard_sizes:
                 expected.update(f"{name}#{i}" for i in range(len(shard_sizes[part])))
+            elif name.endswith("experts.gate_up_proj") and name not in loaded:  # (loaded whole, or expert by expert)
+                expected.update(f"{name}#{e}.{i}" for e in range(params[name].shape[0]) for i in (0, 1))
+            elif name.endswith("experts.down_proj") and name not in loaded:
+                expected.update(f"{name}#{e}" for e in range(params[name].shape[0]))
             else:
                 expected.add(name)
         missing = sorted(expected - loaded)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpage.errors import ParameterError
+
 GROUP = 32
 WEIGHT_DTYPES = ("int8", "int4")
 
@@ -103,6 +105,9 @@ def quantize_model(model, weight_dtype: str) -> int:
     """Replace every linear layer's weight (and the output projection) by its quantized form, in
     place; returns the bytes the linear weights now take."""
     bits = bits_of(weight_dtype)
+    if model.config.moe is not None:
+        raise ParameterError("weight_dtype", f"weight_dtype={weight_dtype!r} does not go with a mixture of experts "
+                             "yet (its experts' weights are stacked tensors, not linear layers)")  # fmt: skip
     total = 0
     for layer in model.layers:
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):

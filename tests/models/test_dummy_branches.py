@@ -12,6 +12,7 @@ import torch
 
 from kvpage.core.scheduler_output import SchedulerOutput
 from kvpage.models import ModelConfig, load_model
+from kvpage.models.config import MoE
 from tests.worker.driver import assert_pool_clean, entry, greedy_generate, make_runner
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, initializer_range=0.2)
@@ -40,6 +41,10 @@ CASES = {
     # a window on layer 0, attention scores and final logits soft-capped (caps small enough to bite here)
     "gemma2": ("Gemma2Config", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
                                     query_pre_attn_scalar=24, attn_logit_softcapping=1.5, final_logit_softcapping=3.0)),
+    # a mixture of 4 experts, 2 per token, on layer 1 (layer 0 a dense MLP), renormalized top-k weights
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                                         mlp_only_layers=[0])),
     "smollm3-nope": ("SmolLM3Config", dict(num_attention_heads=4, num_key_value_heads=2, no_rope_layer_interval=2,
                                            pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "rope-linear": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
@@ -85,7 +90,8 @@ def test_config_branches_are_read(pair):
     assert cfg.layer_types == {"qwen2-window": ("full_attention", "sliding_attention"),
                                "gemma3": ("sliding_attention", "full_attention"),
                                "gemma2": ("sliding_attention", "full_attention")}.get(name)  # fmt: skip
-    assert cfg.qk_norm == (name in ("qwen3-qk-norm", "gemma3"))
+    assert cfg.qk_norm == (name in ("qwen3-qk-norm", "gemma3", "qwen3-moe"))
+    assert cfg.moe == (MoE(4, 2, 32, True, (False, True)) if name == "qwen3-moe" else None)
     assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (
         (1.5, 3.0) if name == "gemma2" else (None,) * 2
     )
@@ -217,3 +223,17 @@ def test_dummy_weights_are_seeded_and_shaped():
     assert not torch.equal(pa["layers.0.self_attn.qkv_proj.weight"], pc["layers.0.self_attn.qkv_proj.weight"])
     assert pa["layers.1.self_attn.qkv_proj.weight"].shape == (32 + 2 * 16, 32)
     assert a.tokenizer is None and a.source == "dummy"
+
+
+@pytest.mark.same_on_every_kind  # the loader's part
+def test_a_mixture_of_experts_refuses_what_it_does_not_split_naming_the_field(tmp_path):
+    from kvpage.distributed.shard import Shard
+    from kvpage.errors import ParameterError
+
+    _saved("qwen3-moe", tmp_path)
+    with pytest.raises(ParameterError) as e:
+        load_model(str(tmp_path), dtype="float32", weight_dtype="int8")
+    assert e.value.param == "weight_dtype" and "mixture of experts" in str(e.value)
+    with pytest.raises(ParameterError) as e:
+        Shard(0, 2).local_config(load_model(str(tmp_path), dtype="float32").config)
+    assert e.value.param == "tensor_parallel_size"
