@@ -7,9 +7,10 @@ Llama 4 Scout (8,192-token chunks on three layers of four), bfloat16 KV, 16-toke
   per sequence    blocks and bytes one sequence of 1k / 8k / 32k computed tokens holds between steps
                   (a window's group only what its window still reads), against one table of every
                   layer's KV (what a manager that sizes every layer as full attention holds)
-  one pool        sequences of 8k tokens the manager admits into one pool of 16 GiB, one after another,
-                  each prompt admitted whole (its blocks in every group until its step releases them),
-                  against every layer as full attention: the requests that fit
+  one pool        sequences of 8k tokens the manager takes into one pool of 16 GiB, one after another,
+                  each prompt run as the scheduler runs it (chunk by chunk of 2,048 tokens where layers
+                  slide: only a chunk's blocks beyond the window's), against every layer as full
+                  attention: the requests that fit
 Part 2, through the engine on a tiny Gemma 3 (random weights: the arithmetic does not depend on them)
 against the same model with every layer global (one group), both on the torch attention path:
   decode          tokens/s of one stream at a long context (the window's layers read their window)
@@ -64,19 +65,30 @@ def per_sequence(name: str, lengths: list[int]) -> list[dict]:
     return rows
 
 
-def admitted(specs, pool_bytes: int, block_bytes: int, tokens: int, limit: int) -> int:
-    """Sequences of `tokens` tokens the manager admits into a pool of `pool_bytes`, one after another
-    (each computed and released behind its windows before the next comes)."""
+def admitted(specs, pool_bytes: int, block_bytes: int, tokens: int, limit: int, chunk: int = 2048) -> int:
+    """Sequences of `tokens` tokens the manager takes into a pool of `pool_bytes`, one after another, each
+    prompt run as the scheduler runs it (kvpage/core/scheduler.py): whole where every layer is full
+    attention, else chunk by chunk of `chunk` tokens (the default max_num_batched_tokens), each chunk's
+    slots taken before its step and the windows' blocks released after it."""
     groups = group_layers(specs)
     mgr = KVCacheManager(pool_bytes // block_bytes, BS, group_specs=[g.spec for g in groups], watermark=0.0,
                          enable_prefix_caching=False)  # fmt: skip
+    by_chunk = any(g.spec is not FULL for g in groups)
     for i in range(limit):
         prompt = list(range(i * tokens, (i + 1) * tokens))  # (distinct prompts: no hit)
-        adm = mgr.check_admission([prompt])
+        first = prompt[:chunk] if by_chunk else prompt
+        adm = mgr.check_admission([first])
         if adm.status is not AdmissionStatus.NOW:
             return i
-        mgr.admit([i], [prompt], adm)
-        mgr.finish_step([(i, tokens, None)])
+        mgr.admit([i], [first], adm)
+        done = len(first)
+        mgr.finish_step([(i, done, None)])
+        while done < tokens:
+            n = min(chunk, tokens - done)
+            if mgr.allocate_slots(i, n) is None:
+                return i
+            done += n
+            mgr.finish_step([(i, done, None)])
     return limit
 
 

@@ -36,8 +36,8 @@ class CacheStats:
     demotions: dict[str, int] = field(default_factory=dict)
     # KV-cache groups (kv_spec.py): what each group's layers read ("full attention", "sliding window of
     # 1024 tokens", ...), and the blocks the GPU-resident sequences' tables of each group hold
-    group_kinds: tuple[str, ...] = ()
-    group_blocks: tuple[int, ...] = ()
+    group_kinds: list[str] = field(default_factory=list)
+    group_blocks: list[int] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -106,6 +106,6 @@ def collect_stats(pool, cpu_pool, prefix_cache, tier, bytes_per_block: int, *, l
         demoted_used_blocks={p: c.num_used for p, c in (cold or {}).items()},
         demoted_total_blocks={p: c.num_total for p, c in (cold or {}).items()},
         demotions={p: (demotions or {}).get(p, 0) for p in cold or {}},
-        group_kinds=tuple(kind for kind, _ in groups),
-        group_blocks=tuple(n for _, n in groups),
+        group_kinds=[kind for kind, _ in groups],
+        group_blocks=[n for _, n in groups],
     )

@@ -72,6 +72,10 @@ class Scheduler(Intake):
         self.requests: dict[str, Request] = {}
         self._failed: dict[str, str] = {}  # failed alone since the last report
         self._in_flight: set[str] = set()  # requests the scheduled step touches
+        # layers that release behind a window or a chunk (kv_spec.py): a sequence takes slots for the tokens
+        # it runs, chunk by chunk, not its whole prompt at once (which every window's group would hold until
+        # the prompt's last step released it), so a prompt longer than the pool's share runs too
+        self.slots_by_chunk = any(spec.kind != "full" for spec in kv.specs)
 
     @property
     def preemption_mode(self) -> str | None:
@@ -210,10 +214,11 @@ class Scheduler(Intake):
             budget -= n
         return plan
 
-    @staticmethod
-    def _slots(req: Request, seq: Sequence, n: int) -> int:
+    def _slots(self, req: Request, seq: Sequence, n: int) -> int:
         """Slots `seq` holds before it runs `n` tokens: for all its tokens, or (an evicting policy,
-        whose memory stays bounded) for those it runs now."""
+        whose memory stays bounded; layers that release behind a window) for those it runs now."""
+        if self.slots_by_chunk:
+            return max(seq.num_computed + n, self.kv.num_tokens(seq.key))
         return req.eviction.slots_upto(seq.num_computed + n, len(seq.token_ids))
 
     def _blocks_to_grow(self, req: Request, plan: list[tuple[Sequence, int]]) -> int:

@@ -31,6 +31,7 @@ class Intake:
     waiting: deque[Request]
     swapped: deque[Request]
     _in_flight: set[str]
+    slots_by_chunk: bool
     # and the scheduler's _plan, _blocks_to_grow, _schedule_seq, _seats_for, _fail, num_running_seqs
 
     def _resume_parked(self, budget: int, out: SchedulerOutput) -> tuple[int, bool]:
@@ -112,6 +113,9 @@ class Intake:
             plan = seqs[0].plan  # (the lead's: sample 0 may have ended before a recompute)
             held = plan.hold(self.kv, tokens[0], req.cache_salt)  # before admission allocates
             cap = req.eviction.admission_cap(bs)  # an evicting policy: slots (and hits) within its budget
+            if cap is None and self.slots_by_chunk and len(tokens) == 1:  # its hits and the tokens it runs now
+                hit = self.kv.find_cached_prefix(tokens[0], req.cache_salt) if req.use_prefix_cache else None
+                cap = (hit.num_tokens if hit is not None else 0) + budget
             if cap is not None:
                 tokens = [t[:cap] for t in tokens]
             adm = self.kv.check_admission(

@@ -804,6 +804,8 @@ def test_stats_fields_exact():
         demoted_used_blocks={},  # no demoting policy: no pools per precision
         demoted_total_blocks={},
         demotions={},
+        group_kinds=["full attention"],  # one KV-cache group: every layer's blocks in one table per sequence
+        group_blocks=[4],
     )
     assert dataclasses.asdict(st) == expected
     assert st.usage == pytest.approx(2 / 11)

@@ -9,6 +9,7 @@ import pytest
 from kvpage.core import AdmissionStatus, InvariantError, KVCacheManager
 from kvpage.core.kv_spec import FULL, SlidingWindow
 from tests.core.test_kv_cache_manager import BS, Seqs, finish, toks
+from tests.core.test_layer_window import step  # (one decode step that ran: every group's window applied)
 
 W32 = SlidingWindow(32)
 
@@ -26,15 +27,6 @@ def admit(s: Seqs, seq_id, prompt, computed=True):
         s.cache(seq_id)
         s.mgr.finish_step([(seq_id, len(prompt), None)])
     return adm
-
-
-def step(s: Seqs, seq_id, token):
-    """One decode step that ran: a slot for `token` in every group, registered, the window applied."""
-    assert s.grow(seq_id, [token]) is not None
-    s.cache(seq_id)
-    s.mgr.finish_step([(seq_id, len(s.tokens[seq_id]), None)])
-    s.check()
-    s.mgr.check_window(seq_id, len(s.tokens[seq_id]))
 
 
 def tables(s: Seqs, seq_id):
@@ -58,7 +50,7 @@ def test_each_group_has_its_table_over_one_pool_and_only_the_window_group_releas
     assert list(mgr.pool.free_queue.block_ids()) == [14, 15, 3, 4, 5, 7]  # released oldest first
     st = mgr.stats()
     assert st.used_blocks == 10 and st.free_blocks == 6  # 7 + 3: full attention alone would hold 14
-    assert st.group_kinds == ("full attention", "sliding window of 32 tokens") and st.group_blocks == (7, 3)
+    assert st.group_kinds == ["full attention", "sliding window of 32 tokens"] and st.group_blocks == [7, 3]
     finish(s)
 
 

@@ -205,7 +205,10 @@ def test_gemma3_five_windows_to_one_global_layer_equal_transformers_in_a_tiny_po
     assert got == [_want(hf, p, 40) for p in PROMPTS]
     assert engine.scheduler.num_preemptions > 0 and max(held) == max_live_blocks(SlidingWindow(W), BS) == 3
     assert len(engine.snapshot.cache.group_kinds) == 6 and max(metered) > 0
-    again = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0]  # (the last to finish: its blocks still cached)
+    # the prompt alone, then again: its 3 full blocks hit in the global group, blocks 1 and 2 in each window's
+    llm.reset_prefix_cache()
+    llm.generate([PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    again = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0]
     assert again.num_cached_tokens == 48 and list(again.outputs[0].token_ids) == got[2]
     assert_clean(llm)
 
@@ -245,3 +248,17 @@ def test_features_of_one_kv_cache_group_name_their_field(qwen2):
         with pytest.raises(ParameterError) as e:
             LLM(path, dtype="float32", num_kv_blocks=16, **kw)
         assert e.value.param == field and "2 KV-cache groups" in str(e.value)
+
+
+def test_a_prompt_longer_than_the_pool_runs_chunk_by_chunk(mistral, gemma3):
+    """Layers that release behind a window take slots for the tokens a step runs, not the whole prompt
+    (which every window's group would hold until its last chunk): a 300-token prompt runs in a pool of
+    8 blocks of 16 on Mistral's window, and a 200-token one in 32 blocks on Gemma 3 (its global layer's
+    group holds every block: 13, its five windows 3 each), where admitting it whole would take 78."""
+    long = [(i * 11) % 5000 + 3 for i in range(300)]
+    for (path, hf), blocks, prompt in ((mistral, 8, long), (gemma3, 32, long[:200])):
+        llm = LLM(path, dtype="float32", num_kv_blocks=blocks, block_size=BS, max_num_batched_tokens=32)
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        (out,) = llm.generate([prompt], params, use_tqdm=False)
+        assert out.error is None and list(out.outputs[0].token_ids) == _want(hf, prompt, 8)
+        assert_clean(llm)
