@@ -48,6 +48,9 @@ class Shard:
         if self.size > 1 and cfg.moe is not None:
             raise ParameterError("tensor_parallel_size", f"tensor_parallel_size={self.size} does not go with a mixture "
                                  "of experts yet (its experts are not split across ranks)")  # fmt: skip
+        if self.size > 1 and cfg.parallel_block:
+            raise ParameterError("tensor_parallel_size", f"tensor_parallel_size={self.size} does not go with "
+                                 f"{cfg.architecture}'s parallel blocks yet")  # fmt: skip
         check_split(self.size, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size)
 
     def kv_replication(self, cfg: ModelConfig) -> int:

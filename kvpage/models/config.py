@@ -18,6 +18,7 @@ SUPPORTED_ARCHITECTURES = (
     "smollm3",
     "gemma2",
     "gemma3_text",
+    "cohere2",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -74,6 +75,13 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     moe: MoE | None = None  # a mixture of experts for the MLP (Qwen3-MoE)
+    # Cohere 2: LayerNorm (mean-centred, no bias) for RMSNorm, attention and MLP side by side on one norm
+    # (a parallel block), RoPE on interleaved pairs (q/k rows permuted at load: kvpage rotates halves),
+    # the logits times logit_scale
+    layer_norm: bool = False
+    parallel_block: bool = False
+    rope_interleaved: bool = False
+    logit_scale: float | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -134,6 +142,7 @@ class ModelConfig:
                     "smollm3": "SmolLM3ForCausalLM",
                     "gemma3_text": "Gemma3ForCausalLM",
                     "gemma2": "Gemma2ForCausalLM",
+                    "cohere2": "Cohere2ForCausalLM",
                 }.get(self.architecture, "LlamaForCausalLM")
             ],
             "model_type": self.architecture,
@@ -169,6 +178,11 @@ class ModelConfig:
                    "layer_types": list(self.layer_types or ["full_attention"] * self.num_layers),
                    "rope_parameters": rope, "attn_logit_softcapping": self.attn_logit_softcapping,
                    "final_logit_softcapping": self.final_logit_softcapping}  # fmt: skip
+        elif self.architecture == "cohere2":
+            hf |= {"sliding_window": self.sliding_window, "logit_scale": self.logit_scale,
+                   "layer_norm_eps": self.rms_norm_eps, "rope_parameters": {"rope_type": "default",
+                                                                            "rope_theta": self.rope_theta},
+                   "layer_types": list(self.layer_types or ["full_attention"] * self.num_layers)}  # fmt: skip
         elif self.architecture in ("mistral", "phi3"):
             hf["sliding_window"] = self.sliding_window
         elif self.layer_types is not None:
@@ -183,6 +197,8 @@ class ModelConfig:
         model_type = hf.get("model_type", "llama")
         if model_type in ("gemma2", "gemma3_text"):
             return _gemma(cls, hf)
+        if model_type == "cohere2":
+            return _cohere2(cls, hf)
         rope_scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
         if rope_scaling is not None:
             rope_scaling = dict(rope_scaling)
@@ -285,6 +301,33 @@ def _gemma(cls, hf: dict[str, Any]) -> ModelConfig:
         sandwich_norms=True,
         local_rope_theta=None if gemma2 else float(local_theta),
         **caps,
+    )
+
+
+def _cohere2(cls, hf: dict[str, Any]) -> ModelConfig:
+    """Cohere 2 (Cohere2Config): windows on three layers of four, RoPE on those only (the global layers
+    are NoPE), parallel blocks on a LayerNorm, interleaved RoPE, scaled logits."""
+    if hf.get("use_qk_norm"):
+        raise ValueError("Cohere with use_qk_norm is not supported")
+    n = hf["num_hidden_layers"]
+    pattern = hf.get("sliding_window_pattern", 4)
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    rope = dict(hf.get("rope_parameters") or {})
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError("Cohere 2 with a scaled RoPE is not supported")
+    shape = _shape(hf, max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=5, eos_token_id=255001)
+    return cls(
+        **(shape | {"rms_norm_eps": hf.get("layer_norm_eps", 1e-5)}),
+        rope_theta=float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        architecture="cohere2",
+        sliding_window=hf.get("sliding_window") if "sliding_attention" in types else None,
+        layer_types=tuple(types) if "sliding_attention" in types else None,
+        rope_layers=tuple(t == "sliding_attention" for t in types),
+        layer_norm=True,
+        parallel_block=True,
+        rope_interleaved=True,
+        logit_scale=float(hf.get("logit_scale", 0.0625)),
     )
 
 

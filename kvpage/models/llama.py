@@ -204,6 +204,31 @@ class DecoderLayer(nn.Module):
         return mlp
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Cohere's LayerNorm: mean-centred, scaled by the weight, no bias; in float32, back to x's dtype."""
+    h = x.float()
+    h = h - h.mean(-1, keepdim=True)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * h).to(x.dtype)
+
+
+class ParallelDecoderLayer(nn.Module):
+    """Cohere's layer: x + attn(norm(x)) + mlp(norm(x)), one LayerNorm for both branches; the same
+    (residual, pending delta) contract as DecoderLayer (the branches' sum is the delta)."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchLayerOps, comm=None, index: int = 0):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # (a LayerNorm's weight: same holder)
+        self.self_attn = Attention(cfg, backend, ops, rope=cfg.rope_layers is None or cfg.rope_layers[index])
+        self.mlp = MLP(cfg, ops)
+
+    def forward(self, x, delta, cos, sin, kv: LayerKV, meta):
+        if delta is not None:
+            x = x + delta
+        h = layer_norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
+        return x, self.self_attn(h, cos, sin, kv, meta) + self.mlp(h)
+
+
 class SandwichDecoderLayer(DecoderLayer):
     """Gemma 3's layer: a norm before and after each branch, the branch's output normalized before it
     is added (post_attention_layernorm is on the attention's output here, pre_feedforward_layernorm before
@@ -252,7 +277,8 @@ class LlamaForCausalLM(nn.Module):
         # imports torch._dynamo and triton, 143 MB resident)
         table = torch.empty(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table)
-        layer = SandwichDecoderLayer if cfg.sandwich_norms else DecoderLayer
+        layer = ParallelDecoderLayer if cfg.parallel_block else SandwichDecoderLayer if cfg.sandwich_norms else \
+            DecoderLayer  # fmt: skip
         self.layers = nn.ModuleList(layer(cfg, backend, ops, comm, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)
@@ -310,7 +336,10 @@ class LlamaForCausalLM(nn.Module):
                 rows, narrowed = hook.after_layer(i, kv)
                 if rows is not None:
                     x, delta, cos, sin, meta = x[rows], delta[rows], cos[rows], sin[rows], narrowed
-        hidden = self.ops.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
+        if self.config.layer_norm:  # (Cohere)
+            hidden = layer_norm(x if delta is None else x + delta, self.norm.weight, self.norm.eps)
+        else:
+            hidden = self.ops.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
         return hidden if hook is None else hook.finish(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -318,6 +347,8 @@ class LlamaForCausalLM(nn.Module):
         if weight is None:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = self.ops.linear(hidden, weight)
+        if self.config.logit_scale is not None:  # (Cohere)
+            logits = logits * self.config.logit_scale
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap  # (Gemma 2)
 

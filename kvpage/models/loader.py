@@ -167,12 +167,28 @@ def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, device: str, back
         model = LlamaForCausalLM(shard.local_config(cfg), attention, ops, comm)
     model.to_empty(device=device)
     model.load_weights(
-        (name, shard.narrow(name, t, cfg)) for name, t in unit_offset_norms(split_fused(weights, cfg), cfg)
+        (name, shard.narrow(name, t, cfg))
+        for name, t in interleaved_rope_rows(unit_offset_norms(split_fused(weights, cfg), cfg), cfg)
     )
     # made in float32, then rounded: a bfloat16 model made in its dtype at once (its weights allocated
     # before the load's float32 temporaries came and went) decoded 5-8% slower offline here, its weights
     # then each in its own small mapping rather than packed in the heap (benchmarks/RESULTS.md)
     return model.to(dtype).eval().requires_grad_(False)
+
+
+def interleaved_rope_rows(weights, cfg: ModelConfig):
+    """Cohere's RoPE rotates interleaved pairs (dims 2i, 2i+1); kvpage rotates halves (i, i + d/2). Each
+    head's q and k rows reordered evens first, then odds, turn one into the other, and attention scores
+    do not change (q and k permuted alike; v as it was)."""
+    if not cfg.rope_interleaved:
+        yield from weights
+        return
+    d = cfg.head_dim
+    for name, t in weights:
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = t.shape[0] // d
+            t = t.reshape(heads, d // 2, 2, -1).transpose(1, 2).reshape(heads * d, -1)
+        yield name, t
 
 
 def split_fused(weights, cfg: ModelConfig):

@@ -42,7 +42,8 @@ class FusedDecode:
             isinstance(model.ops, KernelLayerOps)
             and not model.config.qk_norm  # (the compiled layers have no per-head norm of q and k,
             and model.config.rope_layers is None  # and rotate q and k on every layer,
-            and model.config.moe is None  # and have one MLP a layer)
+            and model.config.moe is None  # and have one MLP a layer after the attention)
+            and not model.config.parallel_block
             and all(layer.self_attn.backend.fuses_decode for layer in model.layers)
         )
 

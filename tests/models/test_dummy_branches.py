@@ -45,6 +45,11 @@ CASES = {
     "qwen3-moe": ("Qwen3MoeConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
                                          num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                                          mlp_only_layers=[0])),
+    # windows and RoPE on layer 0 (layer 1 global, NoPE), parallel blocks on a LayerNorm, interleaved RoPE,
+    # scaled logits
+    "cohere2": ("Cohere2Config", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                                      layer_types=["sliding_attention", "full_attention"], logit_scale=0.5,
+                                      bos_token_id=1, eos_token_id=2)),
     "smollm3-nope": ("SmolLM3Config", dict(num_attention_heads=4, num_key_value_heads=2, no_rope_layer_interval=2,
                                            pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "rope-linear": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
@@ -78,18 +83,23 @@ def test_config_branches_are_read(pair):
     cfg = ours.config
     assert cfg.attention_bias == name.startswith("qwen2")
     assert (cfg.num_kv_heads == cfg.num_heads) == (name == "llama-mha")
-    assert cfg.tie_word_embeddings == (name in ("llama-mqa", "smollm3-nope", "gemma3", "gemma2"))
+    assert cfg.tie_word_embeddings == (name in ("llama-mqa", "smollm3-nope", "gemma3", "gemma2", "cohere2"))
     assert ((cfg.rope_scaling or {}).get("rope_type")) == {
         "rope-linear": "linear",
         "rope-llama3": "llama3",
         "gemma3": "linear",
     }.get(name)
-    assert cfg.sliding_window == (8 if name in ("mistral-window", "qwen2-window", "phi3-fused", "gemma3", "gemma2")
+    assert cfg.sliding_window == (8 if name in ("mistral-window", "qwen2-window", "phi3-fused", "gemma3", "gemma2",
+                                                "cohere2")
                                   else None)  # fmt: skip
-    assert cfg.rope_layers == ((True, False) if name == "smollm3-nope" else None)
+    assert cfg.rope_layers == ((True, False) if name in ("smollm3-nope", "cohere2") else None)
     assert cfg.layer_types == {"qwen2-window": ("full_attention", "sliding_attention"),
                                "gemma3": ("sliding_attention", "full_attention"),
-                               "gemma2": ("sliding_attention", "full_attention")}.get(name)  # fmt: skip
+                               "gemma2": ("sliding_attention", "full_attention"),
+                               "cohere2": ("sliding_attention", "full_attention")}.get(name)  # fmt: skip
+    assert (cfg.layer_norm, cfg.parallel_block, cfg.rope_interleaved, cfg.logit_scale) == (
+        (True, True, True, 0.5) if name == "cohere2" else (False, False, False, None)
+    )
     assert cfg.qk_norm == (name in ("qwen3-qk-norm", "gemma3", "qwen3-moe"))
     assert cfg.moe == (MoE(4, 2, 32, True, (False, True)) if name == "qwen3-moe" else None)
     assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (
