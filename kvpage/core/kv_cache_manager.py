@@ -531,7 +531,8 @@ class KVCacheManager:
 
     def memory_map(self) -> MemoryMap:
         """Every block's state and every block table (memory_map.py), for the dashboard."""
-        tables = sorted((table_map(k, t[0]) for k, t in self._tables.items()), key=lambda m: (m.request_id, m.index))
+        tables = sorted((table_map(k, t) for k, ts in self._tables.items() for t in ts),
+                        key=lambda m: (m.request_id, m.index, m.group))  # fmt: skip
         return MemoryMap(self.block_size, block_states(self.pool), block_states(self.swap.pool),
                          block_states(self.prefix.tier_pool), tuple(tables))  # fmt: skip
 

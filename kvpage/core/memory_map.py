@@ -5,7 +5,8 @@ reference count when in use (2 and more: shared by that many holders), `FREE` (0
 (-1: free but still registered, a later request can hit it). The same for the CPU swap pool and the
 CPU tier of the prefix cache (whose blocks are all free: `CACHED` or `FREE`). Then every block
 table: its sequence's request and index, whether it is swapped out, its tokens, and its block ids,
-`None` where an eviction policy released a block (a hole). Samples and beams of one request show
+`None` where an eviction policy or a window released a block (a hole); a model of several KV-cache
+groups lists each sequence's table of every group (`group`). Samples and beams of one request show
 where copy-on-write split them: their tables hold the same ids up to the block where they differ.
 
 Built from the manager's own structures in one pass (O(blocks + table entries)); the engine builds it
@@ -28,6 +29,7 @@ class TableMap:
     on_cpu: bool  # swapped out: its ids are blocks of the CPU swap pool
     num_tokens: int
     block_ids: tuple[int | None, ...]  # None: a hole an eviction policy left
+    group: int = 0  # the KV-cache group whose table it is (kv_spec.py)
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,7 +47,8 @@ class MemoryMap:
             "cpu": list(self.cpu),
             "tier": list(self.tier),
             "tables": [{"request_id": t.request_id, "index": t.index, "on_cpu": t.on_cpu,
-                        "num_tokens": t.num_tokens, "block_ids": list(t.block_ids)} for t in self.tables],
+                        "num_tokens": t.num_tokens, "block_ids": list(t.block_ids), "group": t.group}
+                       for t in self.tables],
         }  # fmt: skip
 
 
@@ -58,4 +61,4 @@ def block_states(pool: BlockPool | None) -> tuple[int, ...]:
 def table_map(seq_id, table) -> TableMap:
     """One block table; `seq_id` is the scheduler's (request id, index) or any other name."""
     request_id, index = (seq_id[0], seq_id[1]) if isinstance(seq_id, tuple) else (str(seq_id), 0)
-    return TableMap(str(request_id), int(index), table.on_cpu, table.num_tokens, tuple(table.block_ids))
+    return TableMap(str(request_id), int(index), table.on_cpu, table.num_tokens, tuple(table.block_ids), table.group)

@@ -162,3 +162,15 @@ def test_kv_events_name_each_blocks_group_and_its_digests_differ_by_group():
                                                                      (1, toks(16)), (1, toks(16, 16))]  # fmt: skip
     assert {e.block_hashes[0] for e in stored[:2]}.isdisjoint(e.block_hashes[0] for e in stored[2:])
     finish(s)
+
+
+def test_the_memory_map_lists_every_groups_table():
+    s = group_seqs()
+    admit(s, "a", toks(100))
+    m = s.mgr.memory_map()
+    assert [(t.request_id, t.group, t.block_ids) for t in m.tables] == [
+        ("a", 0, tuple(range(7))),
+        ("a", 1, (None,) * 4 + (11, 12, 13)),  # the window released its first four (free, cached)
+    ]
+    assert m.as_dict()["tables"][1]["group"] == 1 and [m.gpu[b] for b in (7, 11)] == [-1, 1]
+    finish(s)
