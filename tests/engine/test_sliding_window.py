@@ -262,3 +262,19 @@ def test_a_prompt_longer_than_the_pool_runs_chunk_by_chunk(mistral, gemma3):
         (out,) = llm.generate([prompt], params, use_tqdm=False)
         assert out.error is None and list(out.outputs[0].token_ids) == _want(hf, prompt, 8)
         assert_clean(llm)
+
+
+def test_an_int8_kv_cache_quantizes_every_groups_blocks(qwen2):
+    """int8 KV with a table per group: every page tensor holds int8 values and their scales, each layer's
+    view the same storage; greedy tokens stay those of the float32 cache for the first steps."""
+    path, _ = qwen2
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(path, dtype="float32", num_kv_blocks=32, block_size=BS).generate(
+        PROMPTS, params, use_tqdm=False)]  # fmt: skip
+    llm = LLM(path, dtype="float32", num_kv_blocks=32, block_size=BS, kv_cache_dtype="int8")
+    cache = llm.llm_engine.kv_cache
+    assert all(p.k.dtype == torch.int8 and p.k_scale is not None for p in cache.pages)
+    assert cache.layers[1].k_scale.data_ptr() == cache.pages[0].k_scale.data_ptr()
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert [g[:3] for g in got] == [w[:3] for w in want]
+    assert_clean(llm)
