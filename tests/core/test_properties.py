@@ -74,6 +74,12 @@ class ManagerMachine(RuleBasedStateMachine):
         mid-step (blocks registered by a step must stay held until it ends)."""
         return [s for s in self.mgr.seq_ids() if s not in self.created and s not in self.step_start]
 
+    def draw_fork(self, data) -> tuple[str, int | None]:
+        """A resident parent, and how many of its full blocks a child shares (None: all of them)."""
+        parent = data.draw(st.sampled_from(self.resident()))
+        num_full = self.mgr.num_tokens(parent) // self.mgr.block_size
+        return parent, data.draw(st.none() | st.integers(0, num_full))
+
     def new_id(self) -> str:
         self.next_id += 1
         return f"s{self.next_id - 1}"
@@ -237,9 +243,7 @@ class ManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.resident())
     @rule(data=st.data())
     def fork(self, data):
-        parent = data.draw(st.sampled_from(self.resident()))
-        num_full = self.mgr.num_tokens(parent) // self.mgr.block_size
-        num_blocks = data.draw(st.none() | st.integers(0, num_full))
+        parent, num_blocks = self.draw_fork(data)
         child = self.new_id()
         table, spec, bs = self.mgr.block_table(parent), self.mgr.layer_spec, self.mgr.block_size
         if spec is not FULL and num_blocks is not None and None in table[needed_from(spec, num_blocks * bs, bs) :
@@ -781,9 +785,7 @@ class GroupedManagerMachine(WindowedManagerMachine):
     @precondition(lambda self: self.resident())
     @rule(data=st.data())
     def fork(self, data):
-        parent = data.draw(st.sampled_from(self.resident()))
-        num_full = self.mgr.num_tokens(parent) // self.mgr.block_size
-        num_blocks = data.draw(st.none() | st.integers(0, num_full))
+        parent, num_blocks = self.draw_fork(data)
         child, bs = self.new_id(), self.mgr.block_size
         if num_blocks is not None and any(
             None in self.mgr.block_table(parent, g)[needed_from(spec, num_blocks * bs, bs) : num_blocks]
