@@ -229,10 +229,7 @@ class KVCacheManager:
         prefixes = self._look_up(lead, cache_salt) if use_prefix_cache else self._no_hit(cache_salt)
         shared = [min(self._shareable(spec, m, p.released) for spec, p in zip(self.specs, prefixes, strict=True))
                   for m in self.budget.shared_with_lead(token_lists)]  # fmt: skip
-        lengths = [len(t) for t in token_lists]
-        if len(prefixes) == 1:
-            return self._plan(lengths, shared, prefixes[0], keep_watermark)
-        return self._plan_groups(lengths, shared, prefixes, keep_watermark)
+        return self._plan([len(t) for t in token_lists], shared, prefixes, keep_watermark)
 
     def _no_hit(self, cache_salt: str | None = None) -> list[CachedPrefix]:
         return [CachedPrefix([], [], 0, 0, cache_salt, group=g) for g in range(len(self.specs))]
@@ -257,10 +254,14 @@ class KVCacheManager:
         return self.budget.decide(lengths, total, needed, keep_watermark=keep_watermark, unqueued=unqueued,
                                   prefix=prefixes[0], shared=shared, groups=prefixes)  # fmt: skip
 
-    def _plan(self, lengths: list[int], shared: list[int], prefix: CachedPrefix, keep_watermark: bool, *,
+    def _plan(self, lengths: list[int], shared: list[int], prefixes: list[CachedPrefix], keep_watermark: bool, *,
               may_drop_partial: bool = True) -> Admission:  # fmt: skip
-        """The budget's plan; a partial hit whose pinned source would not leave room is dropped (in
-        a tiny pool the source itself may be the block the request needs) when `may_drop_partial`."""
+        """The budget's plan for sequences hitting `prefixes` (one per KV-cache group); a partial hit
+        whose pinned source would not leave room is dropped (in a tiny pool the source itself may be the
+        block the request needs) when `may_drop_partial`. Several groups: their plans summed."""
+        if len(prefixes) > 1:
+            return self._plan_groups(lengths, shared, prefixes, keep_watermark)
+        (prefix,) = prefixes
         hits = self.prefix.hit_blocks(prefix)
         adm = self.budget.plan(lengths, shared, prefix, hits, keep_watermark=keep_watermark,
                                unqueued=self.prefix.num_unqueued(prefix, hits))  # fmt: skip
@@ -400,9 +401,7 @@ class KVCacheManager:
             if prefix is not None and len(self.specs) > 1:
                 raise ValueError("a sequence of several KV-cache groups starts from their hits: admit()")
             prefixes = [prefix] if prefix is not None else self._no_hit()  # (the caller counted on all of it)
-            n = prefixes[0].num_tokens + num_new_tokens
-            plan = (self._plan([n], [0], prefixes[0], False, may_drop_partial=False) if len(prefixes) == 1
-                    else self._plan_groups([n], [0], prefixes, False))  # fmt: skip
+            plan = self._plan([prefixes[0].num_tokens + num_new_tokens], [0], prefixes, False, may_drop_partial=False)
             if plan.status is not AdmissionStatus.NOW:
                 return None
             tables, copies = self._start(seq_id, prefixes, policy)
@@ -519,12 +518,11 @@ class KVCacheManager:
     # ------------------------------------------------------------------ statistics and checks
     def stats(self) -> CacheStats:
         on_gpu = sum(not t[0].on_cpu for t in self._tables.values())
-        logical = sum(len(t.block_ids) - t.num_holes for t in self._all_tables() if not t.on_cpu)
-        held = [0] * len(self.specs)
+        held = [0] * len(self.specs)  # per group: the blocks GPU-resident tables hold
         for t in self._all_tables():
             held[t.group] += 0 if t.on_cpu else len(t.block_ids) - t.num_holes
         return collect_stats(self.pool, self.swap.pool, self.prefix.cache, self.prefix.tier, self.bytes_per_block,
-                             logical_blocks=logical, num_seqs=on_gpu, num_swapped_seqs=len(self._tables) - on_gpu,
+                             logical_blocks=sum(held), num_seqs=on_gpu, num_swapped_seqs=len(self._tables) - on_gpu,
                              evicted_tokens=self.eviction.num_evicted_tokens, cold=self.eviction.cold,
                              demotions=self.eviction.num_demoted,
                              groups=tuple(zip((s.describe() for s in self.specs), held, strict=True)))  # fmt: skip
