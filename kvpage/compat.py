@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from kvpage.core.eviction import NO_EVICTION, EvictionPolicy
-from kvpage.core.kv_spec import LayerSpec, SlidingWindow, group_layers
+from kvpage.core.kv_spec import ChunkedLocal, LayerSpec, SlidingWindow, group_layers
 from kvpage.errors import ParameterError
 
 
@@ -46,7 +46,7 @@ class Setup:
     read_budget: int = 0  # tokens a decode reads (a request's own, else the engine's; 0: every block)
     segments: bool = False  # a prompt of segments (engine/segment_prompts.py)
     recompute_ratio: float = 0.0  # CacheBlend's share (segments)
-    window: int = 0  # the model's layers read a sliding window of this many keys (known once it is loaded)
+    window: int = 0  # the model's layers read a sliding window (or a chunk) of this many keys (known once loaded)
     kv_groups: int = 1  # the model's KV-cache groups (core/kv_spec.py: several where its layers' kinds mix)
 
 
@@ -95,7 +95,7 @@ NO_KEY_BOUNDS = Feature("no key bounds", lambda s: not s.key_bounds, {"key_bound
 READ_BUDGET = Feature("a read budget", lambda s: s.read_budget > 0, {"read_budget": 64, "key_bounds": True})
 SEGMENTS = Feature("a prompt of segments", lambda s: s.segments, {"segments": True})
 RECOMPUTE_RATIO = Feature("selective recompute", lambda s: s.recompute_ratio > 0, {"recompute_ratio": 0.3})
-WINDOW = Feature("a sliding-window model", lambda s: s.window > 0, {"window": 4096})
+WINDOW = Feature("a model of local layers (sliding windows or chunks)", lambda s: s.window > 0, {"window": 4096})
 GROUPS = Feature("a model of several KV-cache groups", lambda s: s.kv_groups > 1, {"kv_groups": 2})
 VERIFY_KV = Feature("verify_kv_every", lambda s: s.verify_kv, {"verify_kv": True})
 
@@ -158,13 +158,16 @@ REFUSALS: tuple[Refusal, ...] = (
                       "a ring all-reduce of 3+ ranks sums in an order that depends on the batch's size"),
     Refusal(EVICTS, WINDOW, "kv_eviction",
             lambda s: f"kv_eviction {s.eviction.describe()} does not go with a model whose layers read a sliding "
-                      f"window of {s.window} tokens: the cache releases what falls behind the window already"),
+                      f"window (or a chunk) of {s.window} tokens: the cache releases what falls behind it already"),
     Refusal(KEY_BOUNDS, WINDOW, "kv_read_budget",
-            lambda s: f"kv_read_budget does not go with a sliding-window model (window {s.window}) yet"),
+            lambda s: f"kv_read_budget does not go with a model of local layers (a window or chunk of "
+                      f"{s.window} tokens) yet"),
     Refusal(SEGMENTS, WINDOW, "segments",
-            lambda s: f"a prompt of segments does not go with a sliding-window model (window {s.window}) yet"),
+            lambda s: f"a prompt of segments does not go with a model of local layers (a window or chunk of "
+                      f"{s.window} tokens) yet"),
     Refusal(DETERMINISTIC, WINDOW, "deterministic",
-            _det(lambda s: f"a sliding-window model (window {s.window}): its attention takes the torch path")),
+            _det(lambda s: f"a model of local layers (a window or chunk of {s.window} tokens): its attention takes "
+                           "the torch path")),
     Refusal(CPU_OFFLOAD, GROUPS, "cpu_offload_memory",
             lambda s: f"cpu_offload_memory does not go with a model of {s.kv_groups} KV-cache groups (layers of "
                       "mixed kinds) yet: the CPU tier keeps one group's blocks"),
@@ -183,9 +186,10 @@ REFUSALS: tuple[Refusal, ...] = (
 
 
 def model_facts(specs: Sequence[LayerSpec]) -> dict:
-    """What a loaded model brings to the table (its layers' specs, core/kv_spec.py): its widest sliding
-    window, and its KV-cache groups."""
-    windows = [s.window for s in specs if isinstance(s, SlidingWindow)]
+    """What a loaded model brings to the table (its layers' specs, core/kv_spec.py): its widest local
+    reach (a sliding window, or a chunk: Llama 4's layers read at most their chunk), and its KV-cache groups."""
+    windows = [s.window if isinstance(s, SlidingWindow) else s.chunk for s in specs
+               if isinstance(s, SlidingWindow | ChunkedLocal)]  # fmt: skip
     return {"window": max(windows, default=0), "kv_groups": len(group_layers(specs))}
 
 

@@ -42,11 +42,26 @@ class LayerKV:
     window: int = 0
     # Gemma 2's attention logit soft-capping: scores = softcap * tanh(scores / softcap), before the mask; 0: none
     softcap: float = 0.0
+    # a chunked layer (Llama 4): a query reads the keys of its own chunk of this many tokens; 0: none
+    chunk: int = 0
 
     @property
     def shaped(self) -> bool:
-        """The layer shapes its scores (a window, a soft cap): only the reference attention reads it."""
-        return bool(self.window or self.softcap)
+        """The layer shapes its scores (a window, a chunk, a soft cap): only the reference attention reads it."""
+        return bool(self.window or self.chunk or self.softcap)
+
+    @property
+    def local(self) -> bool:
+        """A query reads a local span of keys (a window or its chunk), not every earlier one."""
+        return bool(self.window or self.chunk)
+
+    def first_key(self, pos: torch.Tensor) -> torch.Tensor:
+        """The first key position a query at each of `pos` reads (core/kv_spec.py's first_visible)."""
+        if self.window:
+            return (pos - self.window + 1).clamp(min=0)
+        if self.chunk:
+            return torch.div(pos, self.chunk, rounding_mode="floor") * self.chunk
+        return torch.zeros_like(pos)
 
     @property
     def quantized(self) -> bool:

@@ -24,10 +24,11 @@ not return them. A decode within a read budget (BOUNDED) reads the blocks key_bo
 
 A layer that soft-caps its scores (Gemma 2: `kv.softcap` = c, scores = c tanh(scores / c) before the
 mask) is read on the explicit paths, its prefill chunks too. A sliding-window layer (`kv.window` = W;
-WINDOWED) masks every key W or more positions behind its query, as transformers does, on the dense
-code; positions in the table serve, since what the window released is whole leading blocks
-(core/layer_window.py). A decode group's mask is made once per step and shared by the layers (they
-have one window).
+WINDOWED) masks every key W or more positions behind its query, and a chunked one (`kv.chunk` = C,
+Llama 4) every key before its query's chunk, as transformers does, on the dense code
+(`LayerKV.first_key`); positions in the table serve, since what the window or chunk released is whole
+leading blocks (core/layer_window.py). A decode group's mask is made once per step and shared by the
+layers of one window or chunk.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ class TorchReferenceBackend:
         # Gathered decode keys/values land in buffers reused by every layer, head and step:
         # allocating ~100 MB afresh each time costs more in page faults than the attention itself.
         self._workspace: dict[str, torch.Tensor] = {}
-        # the step's decode-group biases with a window's keys masked, made by the first layer: (meta, window, biases)
-        self._window_biases: tuple[AttentionMetadata | None, int, dict[int, torch.Tensor]] = (None, 0, {})
+        # the step's decode-group biases with the keys before a window or chunk masked, made by the first layer
+        # that reads them: (meta, (window, chunk), biases)
+        self._local_biases: tuple[AttentionMetadata | None, tuple, dict[int, torch.Tensor]] = (None, (), {})
 
     @staticmethod
     def allocate_kv(num_blocks, num_kv_heads, block_size, head_dim, dtype, kv_dtype, device, pin=False) -> LayerKV:
@@ -114,7 +116,7 @@ class TorchReferenceBackend:
                 self._explicit(out[i : i + 1], q[i : i + 1], None, None, kv, meta, i, scale)
             return
         for g, (rows, max_len, bias) in enumerate(meta.decode_groups):
-            bias = self._windowed(g, bias, rows, kv.window, meta) if kv.window else bias
+            bias = self._local(g, bias, rows, kv, meta) if kv.local else bias
             out[rows] = self._decode_group(q[rows], rows, max_len, bias, kv, meta, scale)
 
     def _decodes_within_budget(self, out, q, kv: LayerKV, meta: AttentionMetadata, scale: float) -> None:
@@ -167,7 +169,8 @@ class TorchReferenceBackend:
         # 4-D inputs ([1, heads, tokens, d]): torch's fused CPU kernel takes those, and is 3-4x
         # faster than the generic path that 3-D inputs fall back to.
         qi = q.transpose(0, 1)[None]
-        if q.shape[0] == n and not (kv.window and n > kv.window):  # no earlier context: its own K/V are all the keys
+        # no earlier context, and no key outside a window or chunk: its own K/V are all the keys
+        if q.shape[0] == n and not (kv.local and int(kv.first_key(torch.tensor(n - 1))) > 0):
             ki, vi = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
@@ -176,8 +179,8 @@ class TorchReferenceBackend:
             vi = gather_kv(kv.v, table, n, kv.v_scale, q.dtype)[None]
             pos_q = torch.arange(n - q.shape[0], n, device=q.device)
             mask = torch.arange(n, device=q.device)[None, :] <= pos_q[:, None]  # [q, n]
-            if kv.window:
-                mask &= torch.arange(n, device=q.device)[None, :] > pos_q[:, None] - kv.window
+            if kv.local:
+                mask &= torch.arange(n, device=q.device)[None, :] >= kv.first_key(pos_q)[:, None]
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
         out.copy_(o[0].transpose(0, 1))
 
@@ -204,11 +207,9 @@ class TorchReferenceBackend:
         if kv.softcap:
             scores = torch.tanh(scores / kv.softcap).mul_(kv.softcap)
         visible = torch.arange(-c, n, device=q.device)[None, :] <= torch.arange(n - m, n, device=q.device)[:, None]
-        if kv.window:
-            visible &= (
-                torch.arange(-c, n, device=q.device)[None, :]
-                > torch.arange(n - m - kv.window, n - kv.window, device=q.device)[:, None]
-            )
+        if kv.local:
+            first = kv.first_key(torch.arange(n - m, n, device=q.device))
+            visible &= torch.arange(-c, n, device=q.device)[None, :] >= first[:, None]
         probs = scores.masked_fill_(~visible, float("-inf")).softmax(-1)
         if meta.reads.wants_mass(i):
             nb = cdiv(n, bs)
@@ -218,16 +219,16 @@ class TorchReferenceBackend:
         o = torch.bmm(probs.view(kv_heads, group * m, c + n).to(q.dtype), values)
         out.copy_(o.view(kv_heads, group, m, d).permute(2, 0, 1, 3).reshape(m, -1, d))
 
-    def _windowed(self, g: int, bias: torch.Tensor, rows: torch.Tensor, window: int, meta: AttentionMetadata):
-        """Decode group g's bias with the keys behind the window masked too, made once per step."""
-        step, w, made = self._window_biases
-        if step is not meta or w != window:
+    def _local(self, g: int, bias: torch.Tensor, rows: torch.Tensor, kv: LayerKV, meta: AttentionMetadata):
+        """Decode group g's bias with the keys before the window or chunk masked too, made once per step."""
+        step, reach, made = self._local_biases
+        if step is not meta or reach != (kv.window, kv.chunk):
             made = {}
-            self._window_biases = (meta, window, made)
+            self._local_biases = (meta, (kv.window, kv.chunk), made)
         if g not in made:
             lens = torch.tensor([meta.seq_lens_list[r] for r in rows.tolist()], device=bias.device)
             keys = torch.arange(bias.shape[-1], device=bias.device)[None, None, :]
-            made[g] = bias.masked_fill(keys <= (lens - 1 - window)[:, None, None], float("-inf"))
+            made[g] = bias.masked_fill(keys < kv.first_key(lens - 1)[:, None, None], float("-inf"))
         return made[g]
 
     def _gather(self, name: str, cache_head: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

@@ -19,20 +19,25 @@ SUPPORTED_ARCHITECTURES = (
     "gemma2",
     "gemma3_text",
     "cohere2",
+    "llama4_text",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True, slots=True)
 class MoE:
-    """A mixture of experts in place of the MLP (Qwen3-MoE): a router picks `top_k` of `num_experts`
-    SwiGLU experts per token (softmax over all, then the top k, renormalized when `norm_topk_prob`)."""
+    """A mixture of experts in place of the MLP: a router picks `top_k` of `num_experts` SwiGLU experts per
+    token. Qwen3-MoE: a softmax over all, then the top k (renormalized when `norm_topk_prob`), each output
+    weighted. Llama 4 (`sigmoid_router`): the top k logits' sigmoids scale each chosen expert's input, and
+    a shared expert (`shared_intermediate_size` > 0) runs on every token beside them."""
 
     num_experts: int
     top_k: int
     intermediate_size: int  # each expert's
     norm_topk_prob: bool = False
     layers: tuple[bool, ...] | None = None  # which layers' MLP is the mixture (None: every layer)
+    sigmoid_router: bool = False
+    shared_intermediate_size: int = 0
 
     def on(self, layer: int) -> bool:
         return self.layers is None or self.layers[layer]
@@ -82,6 +87,12 @@ class ModelConfig:
     parallel_block: bool = False
     rope_interleaved: bool = False
     logit_scale: float | None = None
+    # Llama 4: chunked attention on its RoPE layers (a query reads its own chunk of this many tokens), q and
+    # k L2-normalized (an RMSNorm without weight) on those layers, and on the NoPE layers each query scaled
+    # by 1 + attn_scale * log(1 + floor((p + 1) / floor_scale)) at position p: (floor_scale, attn_scale)
+    attention_chunk_size: int | None = None
+    qk_l2_norm: bool = False
+    attn_temperature: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -101,7 +112,8 @@ class ModelConfig:
         if self.layer_types is not None:
             self.layer_types = tuple(self.layer_types)
             # a kind that is not known, or a sliding layer without a window, names itself
-            layer_specs(self.num_layers, sliding_window=self.sliding_window, layer_types=self.layer_types)
+            layer_specs(self.num_layers, sliding_window=self.sliding_window, layer_types=self.layer_types,
+                        attention_chunk_size=self.attention_chunk_size)  # fmt: skip
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
@@ -109,7 +121,8 @@ class ModelConfig:
     @property
     def layer_specs(self) -> tuple[LayerSpec, ...]:
         """What each layer reads (core/kv_spec.py)."""
-        return layer_specs(self.num_layers, sliding_window=self.sliding_window, layer_types=self.layer_types)
+        return layer_specs(self.num_layers, sliding_window=self.sliding_window, layer_types=self.layer_types,
+                           attention_chunk_size=self.attention_chunk_size)  # fmt: skip
 
     @property
     def kv_groups(self) -> tuple[KVGroup, ...]:
@@ -143,6 +156,7 @@ class ModelConfig:
                     "gemma3_text": "Gemma3ForCausalLM",
                     "gemma2": "Gemma2ForCausalLM",
                     "cohere2": "Cohere2ForCausalLM",
+                    "llama4_text": "Llama4ForCausalLM",
                 }.get(self.architecture, "LlamaForCausalLM")
             ],
             "model_type": self.architecture,
@@ -164,6 +178,8 @@ class ModelConfig:
         }
         if self.rope_layers is not None:
             hf["no_rope_layers"] = [int(r) for r in self.rope_layers]
+        if self.architecture == "llama4_text":
+            return hf | _llama4_hf(self)
         if self.moe is not None:
             m = self.moe
             hf |= {"num_experts": m.num_experts, "num_experts_per_tok": m.top_k, "norm_topk_prob": m.norm_topk_prob,
@@ -199,6 +215,13 @@ class ModelConfig:
             return _gemma(cls, hf)
         if model_type == "cohere2":
             return _cohere2(cls, hf)
+        if model_type == "llama4_text":
+            return _llama4(cls, hf)
+        if model_type == "llama4":
+            raise ValueError(
+                "Llama 4's multimodal checkpoint (model_type llama4) is not supported; kvpage loads its "
+                "text model (model_type llama4_text, Llama4ForCausalLM)"
+            )
         rope_scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
         if rope_scaling is not None:
             rope_scaling = dict(rope_scaling)
@@ -329,6 +352,70 @@ def _cohere2(cls, hf: dict[str, Any]) -> ModelConfig:
         rope_interleaved=True,
         logit_scale=float(hf.get("logit_scale", 0.0625)),
     )
+
+
+def _llama4(cls, hf: dict[str, Any]) -> ModelConfig:
+    """Llama 4's text model (Llama4TextConfig): chunked attention and RoPE on three layers of four, the
+    fourth global and NoPE with its queries temperature-scaled, weightless q/k norms on the RoPE layers,
+    mixtures of experts (a sigmoid router, a shared expert) on `moe_layers`, dense MLPs of
+    `intermediate_size_mlp` elsewhere."""
+    n = hf["num_hidden_layers"]
+    rope_flags = hf.get("no_rope_layers") or [int((i + 1) % hf.get("no_rope_layer_interval", 4) != 0) for i in range(n)]
+    chunk = hf.get("attention_chunk_size", 8192)
+    types = hf.get("layer_types") or ["chunked_attention" if r and chunk else "full_attention" for r in rope_flags]
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", None) or hf.get("rope_theta") or 500_000.0
+    scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+    if scaling is not None:
+        scaling.setdefault("rope_type", scaling.get("type"))
+    step = hf.get("interleave_moe_layer_step", 1)
+    moe_layers = set(hf["moe_layers"] if hf.get("moe_layers") is not None else range(step - 1, n, step))
+    experts = hf.get("num_local_experts", 16)
+    expert_size = hf.get("intermediate_size", 8192)
+    moe = MoE(experts, hf.get("num_experts_per_tok", 1), expert_size, False,
+              None if len(moe_layers) == n else tuple(i in moe_layers for i in range(n)), sigmoid_router=True,
+              shared_intermediate_size=expert_size) if moe_layers else None  # fmt: skip
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"Llama 4 with hidden_act {hf['hidden_act']!r} is not supported")
+    shape = _shape(hf, max_position_embeddings=131_072, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    return cls(
+        **(
+            shape
+            | {
+                "intermediate_size": hf.get("intermediate_size_mlp", 16384),
+                "rms_norm_eps": hf.get("rms_norm_eps", 1e-5),
+            }
+        ),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        attention_bias=bool(hf.get("attention_bias", False)),
+        architecture="llama4_text",
+        layer_types=tuple(types) if "chunked_attention" in types else None,
+        rope_layers=tuple(bool(r) for r in rope_flags),
+        moe=moe,
+        attention_chunk_size=chunk if "chunked_attention" in types else None,
+        rope_interleaved=True,  # (transformers rotates adjacent pairs, as complex numbers)
+        qk_l2_norm=bool(hf.get("use_qk_norm", True)),
+        attn_temperature=(float(hf.get("floor_scale", 8192)), float(hf.get("attn_scale", 0.1)))
+        if hf.get("attn_temperature_tuning", True)
+        else None,
+    )
+
+
+def _llama4_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """The Llama4TextConfig keys of `cfg` (to_hf)."""
+    m = cfg.moe
+    temp = cfg.attn_temperature
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta} | (cfg.rope_scaling or {})
+    return {"intermediate_size": m.intermediate_size if m else cfg.intermediate_size,
+            "intermediate_size_mlp": cfg.intermediate_size, "num_local_experts": m.num_experts if m else 0,
+            "num_experts_per_tok": m.top_k if m else 1,
+            "moe_layers": [i for i in range(cfg.num_layers) if m and m.on(i)],
+            "no_rope_layers": [int(r) for r in cfg.rope_layers or [True] * cfg.num_layers],
+            "layer_types": list(cfg.layer_types or ["full_attention"] * cfg.num_layers),
+            "attention_chunk_size": cfg.attention_chunk_size, "use_qk_norm": cfg.qk_l2_norm,
+            "attn_temperature_tuning": temp is not None, "floor_scale": round(temp[0]) if temp else 8192,
+            "attn_scale": temp[1] if temp else 0.1, "rope_parameters": rope}  # fmt: skip
 
 
 def _moe(hf: dict[str, Any]) -> MoE | None:

@@ -88,14 +88,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = float(cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.backend, self.ops = backend, ops
+        self.eps = cfg.rms_norm_eps
         self.q_norm = self.k_norm = None
+        # Llama 4's RoPE layers: q and k L2-normalized per head (an RMSNorm without weight; after RoPE there,
+        # before it here: RoPE turns pairs, which keeps a head's norm); its NoPE layers scale each query
+        self.l2_norm = cfg.qk_l2_norm and rope
+        self.temperature = cfg.attn_temperature is not None and not rope
         if cfg.qk_norm:  # Qwen3: each head of q and of k RMS-normalized before RoPE, one weight per head dim
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, kv: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-        if self.q_norm is not None:
+        if self.q_norm is not None or self.l2_norm:
             qkv = self._norm_qk(qkv)
         if self.rope:
             q, k, v = self.ops.qkv_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
@@ -107,15 +112,22 @@ class Attention(nn.Module):
                 k.reshape(-1, self.num_kv_heads, d),
                 v.reshape(-1, self.num_kv_heads, d),
             )
+            if self.temperature:  # (this layer's table: each token's query scale, DecoderLayer.rope_table)
+                q = q * cos[:, None, :1]
         o = self.backend.forward(q, k, v, kv, meta, self.scale)
         return self.ops.linear(o.reshape(-1, self.q_size), self.o_proj.weight)
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         """[T, q + 2 kv] with every head of q and k normalized over its head_dim (v as it was)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        d, eps = self.head_dim, self.q_norm.eps
-        q = self.ops.rms_norm(q.reshape(-1, d), self.q_norm.weight, eps).view(-1, self.q_size)
-        k = self.ops.rms_norm(k.reshape(-1, d), self.k_norm.weight, eps).view(-1, self.kv_size)
+        d = self.head_dim
+        if self.q_norm is None:  # (weightless)
+            eps, ones = self.eps, torch.ones(d, dtype=qkv.dtype, device=qkv.device)
+            wq = wk = ones
+        else:
+            eps, wq, wk = self.q_norm.eps, self.q_norm.weight, self.k_norm.weight
+        q = self.ops.rms_norm(q.reshape(-1, d), wq, eps).view(-1, self.q_size)
+        k = self.ops.rms_norm(k.reshape(-1, d), wk, eps).view(-1, self.kv_size)
         return torch.cat([q, k, v], dim=-1)
 
 
@@ -134,10 +146,11 @@ class MLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """A mixture of SwiGLU experts (Qwen3-MoE), the plain torch way: the router's softmax over every
-    expert, its top k per token (renormalized when the config says), each chosen expert run on its
-    tokens in expert order and its output, weighted, added into theirs. Experts are stacked:
-    gate_up_proj [E, 2I, H] (gate rows, then up), down_proj [E, H, I]."""
+    """A mixture of SwiGLU experts, the plain torch way: each chosen expert run on its tokens in expert
+    order, its output added into theirs. Qwen3-MoE: the router's softmax over every expert, its top k per
+    token (renormalized when the config says), each output weighted. Llama 4: the top k logits'
+    sigmoids scale each expert's input instead, and a shared expert's output (`shared_expert`, an MLP)
+    comes first. Experts are stacked: gate_up_proj [E, 2I, H] (gate rows, then up), down_proj [E, H, I]."""
 
     def __init__(self, cfg: ModelConfig, ops: TorchLayerOps):
         super().__init__()
@@ -148,20 +161,31 @@ class SparseMoE(nn.Module):
         self.experts.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size,
                                                              cfg.hidden_size))  # fmt: skip
         self.experts.down_proj = nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size, moe.intermediate_size))
-        self.top_k, self.norm_topk = moe.top_k, moe.norm_topk_prob
+        self.top_k, self.norm_topk, self.sigmoid = moe.top_k, moe.norm_topk_prob, moe.sigmoid_router
+        self.shared_expert = None
+        if moe.shared_intermediate_size:
+            self.shared_expert = MLP(dataclasses.replace(cfg, intermediate_size=moe.shared_intermediate_size), ops)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.ops.linear(x, self.gate.weight)  # [T, E]
-        weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
-        if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
+        if self.sigmoid:
+            top, chosen = torch.topk(logits, self.top_k, dim=-1)
+            weights = torch.sigmoid(top.float()).to(x.dtype)
+        else:
+            weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+            if self.norm_topk:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = weights.to(x.dtype)
+        out = torch.zeros_like(x) if self.shared_expert is None else self.shared_expert(x)
         for e in torch.unique(chosen).tolist():  # (ascending: transformers' order of the adds)
             rows, slot = torch.where(chosen == e)
-            h = self.ops.silu_mul(self.ops.linear(x[rows], self.experts.gate_up_proj[e]))
-            out.index_add_(0, rows, self.ops.linear(h, self.experts.down_proj[e]) * weights[rows, slot, None])
+            w = weights[rows, slot, None]
+            h = self.ops.silu_mul(
+                self.ops.linear(x[rows] * w if self.sigmoid else x[rows], self.experts.gate_up_proj[e])
+            )
+            y = self.ops.linear(h, self.experts.down_proj[e])
+            out.index_add_(0, rows, y if self.sigmoid else y * w)
         return out
 
 
@@ -178,6 +202,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg, ops) if cfg.moe is not None and cfg.moe.on(index) else MLP(cfg, ops)
         self.ops = ops
+        # which position table this layer reads where the model has two ([T, 2, d], LlamaForCausalLM.embed):
+        # Gemma 3's sliding layers their local RoPE base, Llama 4's NoPE layers their queries' temperature
+        rope = cfg.rope_layers is None or cfg.rope_layers[index]
+        self.rope_table = int((cfg.local_rope_theta is not None and cfg.layer_specs[index].kind == "sliding")
+                              or (cfg.attn_temperature is not None and not rope))  # fmt: skip
 
     def forward(self, x, delta, cos, sin, kv: LayerKV, meta):
         x, attn = self._attention(x, delta, cos, sin, kv, meta)
@@ -187,6 +216,8 @@ class DecoderLayer(nn.Module):
 
     def _attention(self, x, delta, cos, sin, kv: LayerKV, meta):
         """(the residual with the pending delta added, the attention branch's output)."""
+        if cos.dim() == 3:  # [T, tables, d]: this layer's own
+            cos, sin = cos[:, self.rope_table].contiguous(), sin[:, self.rope_table].contiguous()
         norm1 = self.input_layernorm
         if delta is None:
             h = self.ops.rms_norm(x, norm1.weight, norm1.eps)
@@ -239,11 +270,8 @@ class SandwichDecoderLayer(DecoderLayer):
         super().__init__(cfg, backend, ops, comm, index)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rope_table = int(cfg.local_rope_theta is not None and cfg.layer_specs[index].kind == "sliding")
 
     def forward(self, x, delta, cos, sin, kv: LayerKV, meta):
-        if cos.dim() == 3:  # [T, tables, d]: this layer's own
-            cos, sin = cos[:, self.rope_table].contiguous(), sin[:, self.rope_table].contiguous()
         x, attn = self._attention(x, delta, cos, sin, kv, meta)
         post1, norm2, post2 = (
             self.post_attention_layernorm,
@@ -319,6 +347,11 @@ class LlamaForCausalLM(nn.Module):
         if self.local_rotary is not None:
             local = self.local_rotary(positions, x.dtype)
             cos, sin = torch.stack([cos, local[0]], dim=1), torch.stack([sin, local[1]], dim=1)
+        if self.config.attn_temperature is not None:  # (Llama 4's NoPE layers: each query's scale, as a table)
+            floor, strength = self.config.attn_temperature
+            scale = torch.log1p(torch.floor((positions.float() + 1.0) / floor)) * strength + 1.0
+            cos = torch.stack([cos, scale[:, None].expand_as(cos).to(cos.dtype)], dim=1)
+            sin = torch.stack([sin, torch.zeros_like(sin)], dim=1)
         return x, cos, sin
 
     def run_layers(self, x, cos, sin, kv_caches: list[LayerKV], meta: AttentionMetadata | list[AttentionMetadata],
@@ -369,7 +402,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         cfg = self.config
         qkv_sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
-        shard_sizes = {"qkv_proj": qkv_sizes, "gate_up_proj": [cfg.intermediate_size] * 2}
+        shard_sizes = {"qkv_proj": qkv_sizes, "gate_up_proj": None}  # (gate/up: halves of the parameter)
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
@@ -395,7 +428,7 @@ class LlamaForCausalLM(nn.Module):
             if shard is None:
                 target = param
             else:
-                sizes = shard_sizes[name.split(".")[-2]]
+                sizes = shard_sizes[name.split(".")[-2]] or [param.shape[0] // 2] * 2
                 target = param.narrow(0, sum(sizes[:shard]), sizes[shard])
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
@@ -405,7 +438,7 @@ class LlamaForCausalLM(nn.Module):
         for name in params:
             part = name.split(".")[-2] if "." in name else ""
             if part in shard_sizes:
-                expected.update(f"{name}#{i}" for i in range(len(shard_sizes[part])))
+                expected.update(f"{name}#{i}" for i in range(len(shard_sizes[part] or (0, 1))))
             elif name.endswith("experts.gate_up_proj") and name not in loaded:  # (loaded whole, or expert by expert)
                 expected.update(f"{name}#{e}.{i}" for e in range(params[name].shape[0]) for i in (0, 1))
             elif name.endswith("experts.down_proj") and name not in loaded:

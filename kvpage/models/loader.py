@@ -168,7 +168,7 @@ def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, device: str, back
     model.to_empty(device=device)
     model.load_weights(
         (name, shard.narrow(name, t, cfg))
-        for name, t in interleaved_rope_rows(unit_offset_norms(split_fused(weights, cfg), cfg), cfg)
+        for name, t in interleaved_rope_rows(unit_offset_norms(split_fused(llama4_names(weights, cfg), cfg), cfg), cfg)
     )
     # made in float32, then rounded: a bfloat16 model made in its dtype at once (its weights allocated
     # before the load's float32 temporaries came and went) decoded 5-8% slower offline here, its weights
@@ -189,6 +189,23 @@ def interleaved_rope_rows(weights, cfg: ModelConfig):
             heads = t.shape[0] // d
             t = t.reshape(heads, d // 2, 2, -1).transpose(1, 2).reshape(heads * d, -1)
         yield name, t
+
+
+# Llama 4's checkpoint names (transformers' Llama4ForCausalLM) -> every other family's; its stacked experts
+# are [E, H, 2I] and [E, I, H], transposed to kvpage's [E, 2I, H] and [E, H, I] (`LLAMA4_EXPERTS`)
+LLAMA4_NAMES = ((".feed_forward.", ".mlp."), (".mlp.router.", ".mlp.gate."))
+LLAMA4_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def llama4_names(weights, cfg: ModelConfig):
+    """(name, tensor) pairs of a Llama 4 checkpoint as kvpage names them (others as they are)."""
+    if cfg.architecture != "llama4_text":
+        yield from weights
+        return
+    for name, t in weights:
+        for a, b in LLAMA4_NAMES:
+            name = name.replace(a, b)
+        yield name, (t.transpose(1, 2) if name.endswith(LLAMA4_EXPERTS) else t)
 
 
 def split_fused(weights, cfg: ModelConfig):
@@ -218,15 +235,22 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
         shapes = LlamaForCausalLM(cfg)
     out = {}
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    split = {"qkv_proj": [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
-             "gate_up_proj": [("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size)]}  # fmt: skip
+    split = {
+        "qkv_proj": [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
+        "gate_up_proj": [("gate_proj", 0.5), ("up_proj", 0.5)],
+    }  # (sizes: rows, or shares of the parameter)
     for name, p in shapes.named_parameters():
         is_norm = name.endswith("norm.weight")
         t = 1.0 + 0.1 * torch.randn(p.shape, generator=g) if is_norm else 0.02 * torch.randn(p.shape, generator=g)
+        if cfg.architecture == "llama4_text":  # (its checkpoints' names and layout: llama4_names reversed)
+            t = t.transpose(1, 2) if name.endswith(LLAMA4_EXPERTS) else t
+            for a, b in reversed(LLAMA4_NAMES):
+                name = name.replace(b, a)
         fused = name.split(".")[-2]
         if fused in split:
             start = 0
-            for part, size in split[fused]:
+            for part, share in split[fused]:
+                size = share if isinstance(share, int) else int(share * p.shape[0])
                 out["model." + name.replace(fused, part)] = t[start : start + size]
                 start += size
         else:

@@ -41,7 +41,7 @@ from kvpage.attention.kv_quant import dequantize, quantize
 from kvpage.attention.layer_kv import LayerKV, read_named_blocks
 from kvpage.attention.torch_ref import TorchReferenceBackend
 from kvpage.core.kv_bytes import demoted_bytes_per_block, kv_bytes_per_block
-from kvpage.core.kv_spec import SlidingWindow, page_layers
+from kvpage.core.kv_spec import ChunkedLocal, SlidingWindow, page_layers
 from kvpage.models.config import ModelConfig
 
 
@@ -89,15 +89,15 @@ class KVCache:
 
         self.pages = pool(num_blocks, device)
         windows = [spec.window if isinstance(spec, SlidingWindow) else 0 for spec in cfg.layer_specs]
+        chunks = [spec.chunk if isinstance(spec, ChunkedLocal) else 0 for spec in cfg.layer_specs]
         softcap = float(cfg.attn_logit_softcapping or 0.0)
         if len(self.groups) == 1:  # (page slot j is layer j)
-            for page, window in zip(self.pages, windows, strict=True):
-                page.window, page.softcap = window, softcap
+            for page, window, chunk in zip(self.pages, windows, chunks, strict=True):
+                page.window, page.chunk, page.softcap = window, chunk, softcap
             self.layers = self.pages
         else:
-            self.layers = [
-                replace(self.pages[j], window=w, softcap=softcap) for j, w in zip(slots, windows, strict=True)
-            ]
+            self.layers = [replace(self.pages[j], window=w, chunk=c, softcap=softcap)
+                           for j, w, c in zip(slots, windows, chunks, strict=True)]  # fmt: skip
         self.cpu_layers = pool(num_cpu_blocks, "cpu", pin)  # (pages: the CPU pools hold blocks, read by no layer)
         self.tier_layers = pool(num_tier_blocks, "cpu", pin)  # the CPU tier of the prefix cache
         for precision, n in (cold_blocks or {}).items():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvpage import LLM, BeamSearchParams, SamplingParams
-from kvpage.core.kv_spec import FULL, SlidingWindow, max_live_blocks
+from kvpage.core.kv_spec import FULL, ChunkedLocal, SlidingWindow, max_live_blocks
 from kvpage.errors import ParameterError
 from kvpage.models.config import ModelConfig
 from kvpage.models.loader import save_dummy_model
@@ -90,7 +90,7 @@ def test_features_that_do_not_go_with_a_window_name_their_field(mistral):
     path, _ = mistral
     with pytest.raises(ParameterError) as e:
         LLM(path, dtype="float32", num_kv_blocks=16, kv_eviction="streaming:sink_tokens=4,window_tokens=28")
-    assert e.value.param == "kv_eviction" and "sliding window of 32 tokens" in str(e.value)
+    assert e.value.param == "kv_eviction" and "window (or a chunk) of 32 tokens" in str(e.value)
     llm = LLM(path, dtype="float32", num_kv_blocks=16)
     with pytest.raises(ParameterError) as e:
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, kv_eviction="h2o:heavy_tokens=16,recent_tokens=16"),
@@ -236,6 +236,65 @@ def test_gemma3_beams_and_samples_fork_every_group(gemma3):
     assert [c.token_ids for c in beams.outputs] == want[:, len(PROMPTS[2]) :].tolist()
     samples = llm.generate([PROMPTS[1]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12), use_tqdm=False)
     assert len({tuple(c.token_ids) for c in samples[0].outputs}) > 1
+    assert_clean(llm)
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory, smollm2):
+    """Llama 4's text model (transformers' own random model): chunked attention (chunks of 32) on three
+    layers of four, the fourth global and NoPE, experts on every other layer: four KV-cache groups of one
+    layer, the global one's table holding every block, each chunked one its current chunk's."""
+    import transformers
+
+    cfg = transformers.Llama4TextConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=32, intermediate_size_mlp=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_chunk_size=W, num_local_experts=4,
+        interleave_moe_layer_step=2, floor_scale=16, attn_scale=0.5, max_position_embeddings=4096,
+        initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.Llama4ForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("llama4")
+    hf.save_pretrained(path)
+    smollm2.tokenizer.save(path)
+    return str(path), hf
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_llama4_chunked_layers_equal_transformers_in_a_tiny_pool(llama4, mode):
+    """Chunks of 32 tokens straddled by prefill chunks of 24; 24 blocks hold one sequence, not three at once;
+    each chunked group holds no more than its bound between steps, and a hit resumes inside a chunk."""
+    path, hf = llama4
+    kw = dict(swap_space="16MiB") if mode == "swap" else {}
+    llm = LLM(path, dtype="float32", num_kv_blocks=24, block_size=BS, max_num_batched_tokens=24,
+              preemption_mode=mode, **kw)  # fmt: skip
+    engine, kv = llm.llm_engine, llm.llm_engine.kv_manager
+    assert kv.specs == (FULL,) + (ChunkedLocal(W),) * 3 and engine.kv_cache.layer_groups == [1, 2, 3, 0]
+    assert [layer.chunk for layer in engine.kv_cache.layers] == [W, W, W, 0]
+    held, step = [], engine.step
+
+    def recording_step():
+        out = step()
+        engine.scheduler.check_invariants()
+        for req in engine.scheduler.running:
+            held.extend(len(t.resident) for s in req.live_sequences if kv.num_tokens(s.key) == s.num_computed
+                        for t in kv._tables_of(s.key)[1:])  # fmt: skip
+        return out
+
+    engine.step = recording_step
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        engine.step = step
+    assert got == [_want(hf, p, 40) for p in PROMPTS]
+    assert engine.scheduler.num_preemptions > 0 and max(held) == max_live_blocks(ChunkedLocal(W), BS) == 2
+    # the prompt alone (90 tokens), then again: its 5 full blocks hit in the global group, block 4 in each
+    # chunked one (a query at 80 reads its chunk from 64; blocks 0-3 were released behind it)
+    llm.reset_prefix_cache()
+    llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    again = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 80 and list(again.outputs[0].token_ids) == got[1]
     assert_clean(llm)
 
 

@@ -50,6 +50,13 @@ CASES = {
     "cohere2": ("Cohere2Config", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
                                       layer_types=["sliding_attention", "full_attention"], logit_scale=0.5,
                                       bos_token_id=1, eos_token_id=2)),
+    # chunks of 8 and RoPE (llama3-scaled), weightless q/k norms on layer 0, layer 1 global and NoPE with its
+    # queries temperature-scaled (from position 3 on); a mixture of 4 experts, 2 per token, a sigmoid router
+    # and a shared expert on layer 0, a dense MLP on layer 1
+    "llama4": ("Llama4TextConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=16,
+                                        intermediate_size_mlp=128, no_rope_layer_interval=2, attention_chunk_size=8,
+                                        num_local_experts=4, num_experts_per_tok=2, moe_layers=[0], floor_scale=4,
+                                        attn_scale=0.5, rope_parameters=LLAMA3)),
     "smollm3-nope": ("SmolLM3Config", dict(num_attention_heads=4, num_key_value_heads=2, no_rope_layer_interval=2,
                                            pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "rope-linear": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
@@ -63,9 +70,11 @@ def _saved(name: str, path: Path):
     import transformers
 
     config_cls, kw = CASES[name]
-    cfg = getattr(transformers, config_cls)(**SMALL, **kw)
+    cfg = getattr(transformers, config_cls)(**(SMALL | kw))
     torch.manual_seed(0)
-    model_cls = {"Gemma3TextConfig": "Gemma3ForCausalLM"}.get(config_cls, config_cls.replace("Config", "ForCausalLM"))
+    model_cls = {"Gemma3TextConfig": "Gemma3ForCausalLM", "Llama4TextConfig": "Llama4ForCausalLM"}.get(
+        config_cls, config_cls.replace("Config", "ForCausalLM")
+    )
     hf = getattr(transformers, model_cls)(cfg).eval()
     hf.save_pretrained(path)
     return hf
@@ -88,20 +97,31 @@ def test_config_branches_are_read(pair):
         "rope-linear": "linear",
         "rope-llama3": "llama3",
         "gemma3": "linear",
+        "llama4": "llama3",
     }.get(name)
     assert cfg.sliding_window == (8 if name in ("mistral-window", "qwen2-window", "phi3-fused", "gemma3", "gemma2",
                                                 "cohere2")
                                   else None)  # fmt: skip
-    assert cfg.rope_layers == ((True, False) if name in ("smollm3-nope", "cohere2") else None)
+    assert cfg.rope_layers == ((True, False) if name in ("smollm3-nope", "cohere2", "llama4") else None)
     assert cfg.layer_types == {"qwen2-window": ("full_attention", "sliding_attention"),
+                               "llama4": ("chunked_attention", "full_attention"),
                                "gemma3": ("sliding_attention", "full_attention"),
                                "gemma2": ("sliding_attention", "full_attention"),
                                "cohere2": ("sliding_attention", "full_attention")}.get(name)  # fmt: skip
     assert (cfg.layer_norm, cfg.parallel_block, cfg.rope_interleaved, cfg.logit_scale) == (
-        (True, True, True, 0.5) if name == "cohere2" else (False, False, False, None)
+        (True, True, True, 0.5)
+        if name == "cohere2"
+        else (False, False, True, None)
+        if name == "llama4"
+        else (False, False, False, None)
     )
     assert cfg.qk_norm == (name in ("qwen3-qk-norm", "gemma3", "qwen3-moe"))
-    assert cfg.moe == (MoE(4, 2, 32, True, (False, True)) if name == "qwen3-moe" else None)
+    assert cfg.moe == {"qwen3-moe": MoE(4, 2, 32, True, (False, True)),
+                       "llama4": MoE(4, 2, 16, False, (True, False), sigmoid_router=True,
+                                     shared_intermediate_size=16)}.get(name)  # fmt: skip
+    assert (cfg.attention_chunk_size, cfg.qk_l2_norm, cfg.attn_temperature) == (
+        (8, True, (4.0, 0.5)) if name == "llama4" else (None, False, None)
+    )
     assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (
         (1.5, 3.0) if name == "gemma2" else (None,) * 2
     )
