@@ -44,11 +44,15 @@ class LayerKV:
     softcap: float = 0.0
     # a chunked layer (Llama 4): a query reads the keys of its own chunk of this many tokens; 0: none
     chunk: int = 0
+    # gpt-oss: each query head's sink ([num_heads]), a logit in its softmax that no value answers (the
+    # layer's weight: the model's layer hands it to its view as it runs); None: none
+    sinks: torch.Tensor | None = None
 
     @property
     def shaped(self) -> bool:
-        """The layer shapes its scores (a window, a chunk, a soft cap): only the reference attention reads it."""
-        return bool(self.window or self.chunk or self.softcap)
+        """The layer shapes its scores (a window, a chunk, a soft cap, sinks): only the reference attention
+        reads it."""
+        return bool(self.window or self.chunk or self.softcap) or self.sinks is not None
 
     @property
     def local(self) -> bool:

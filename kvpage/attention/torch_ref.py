@@ -28,7 +28,9 @@ WINDOWED) masks every key W or more positions behind its query, and a chunked on
 Llama 4) every key before its query's chunk, as transformers does, on the dense code
 (`LayerKV.first_key`); positions in the table serve, since what the window or chunk released is whole
 leading blocks (core/layer_window.py). A decode group's mask is made once per step and shared by the
-layers of one window or chunk.
+layers of one window or chunk. A layer with sinks (gpt-oss: `kv.sinks`, a logit per query head) adds
+each head's sink to its softmax as one more score that no value answers (`_with_sinks`), on the explicit
+paths too.
 """
 
 from __future__ import annotations
@@ -70,6 +72,13 @@ def gather_kv(
     if scales is None:
         return out
     return dequantize(out, scales[table].transpose(0, 1).flatten(1, 2)[:, :length], dtype)
+
+
+def _with_sinks(logits: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dimension of `logits` with one more logit per row, its head's sink (`sinks`
+    broadcast to logits' shape but the last dimension, which is 1), whose probability is dropped."""
+    sink = sinks.float().expand(*logits.shape[:-1], 1)
+    return torch.cat((logits, sink), dim=-1).softmax(-1)[..., :-1]
 
 
 class TorchReferenceBackend:
@@ -164,7 +173,8 @@ class TorchReferenceBackend:
     def prefill_chunk(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> None:
         """out = attention of the chunk's queries (sequence i, its last len(q) positions)."""
         n = meta.seq_lens_list[i]
-        if kv.softcap or read_path(meta, i, kv.bounded) in (MASS, DEMOTED):  # (a soft cap: scores made explicit)
+        # (a soft cap, sinks: scores made explicit)
+        if kv.softcap or kv.sinks is not None or read_path(meta, i, kv.bounded) in (MASS, DEMOTED):
             return self._explicit(out, q, k, v, kv, meta, i, scale)
         # 4-D inputs ([1, heads, tokens, d]): torch's fused CPU kernel takes those, and is 3-4x
         # faster than the generic path that 3-D inputs fall back to.
@@ -210,7 +220,8 @@ class TorchReferenceBackend:
         if kv.local:
             first = kv.first_key(torch.arange(n - m, n, device=q.device))
             visible &= torch.arange(-c, n, device=q.device)[None, :] >= first[:, None]
-        probs = scores.masked_fill_(~visible, float("-inf")).softmax(-1)
+        scores = scores.masked_fill_(~visible, float("-inf"))
+        probs = scores.softmax(-1) if kv.sinks is None else _with_sinks(scores, kv.sinks.view(kv_heads, group, 1, 1))
         if meta.reads.wants_mass(i):
             nb = cdiv(n, bs)
             per_token = probs.sum((0, 1, 2))
@@ -257,9 +268,13 @@ class TorchReferenceBackend:
                 values = dequantize(values, kv.v_scale[:, h][blocks].view(n, nb * bs), q.dtype)
             scores = torch.bmm(qg[:, h], keys.transpose(1, 2)).float()  # [n, group, L]
             if kv.softcap:
-                probs = (bias + torch.tanh(scores * (scale / kv.softcap)) * kv.softcap).softmax(-1)
+                logits = bias + torch.tanh(scores * (scale / kv.softcap)) * kv.softcap
             else:
-                probs = torch.add(bias, scores, alpha=scale).softmax(-1)  # bias masks the padding
+                logits = torch.add(bias, scores, alpha=scale)  # bias masks the padding
+            if kv.sinks is None:
+                probs = logits.softmax(-1)
+            else:
+                probs = _with_sinks(logits, kv.sinks[h * group : (h + 1) * group].view(1, group, 1))
             if meta.reads.mass is not None:  # H2O: each block's share of the softmax
                 meta.reads.mass[:, :nb].index_add_(0, rows, probs.sum(1).view(n, nb, bs).sum(-1))
             out[:, h] = torch.bmm(probs.to(q.dtype), values)

@@ -20,24 +20,35 @@ SUPPORTED_ARCHITECTURES = (
     "gemma3_text",
     "cohere2",
     "llama4_text",
+    "gpt_oss",
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROUTERS = ("softmax", "sigmoid", "topk_softmax")
 
 
 @dataclass(frozen=True, slots=True)
 class MoE:
     """A mixture of experts in place of the MLP: a router picks `top_k` of `num_experts` SwiGLU experts per
-    token. Qwen3-MoE: a softmax over all, then the top k (renormalized when `norm_topk_prob`), each output
-    weighted. Llama 4 (`sigmoid_router`): the top k logits' sigmoids scale each chosen expert's input, and
-    a shared expert (`shared_intermediate_size` > 0) runs on every token beside them."""
+    token. `router`: "softmax" (Qwen3-MoE: a softmax over all, then the top k, renormalized when
+    `norm_topk_prob`, each output weighted); "sigmoid" (Llama 4: the top k logits' sigmoids scale each chosen
+    expert's input, and a shared expert of `shared_intermediate_size` > 0 runs on every token beside them);
+    "topk_softmax" (gpt-oss: a softmax over the top k logits weights the outputs). gpt-oss's router and
+    experts carry biases (`bias`) and its SwiGLU is clamped: gate <= limit, |up| <= limit,
+    (up + 1) * gate * sigmoid(alpha * gate), `swiglu` = (alpha, limit)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int  # each expert's
     norm_topk_prob: bool = False
     layers: tuple[bool, ...] | None = None  # which layers' MLP is the mixture (None: every layer)
-    sigmoid_router: bool = False
+    router: str = "softmax"
     shared_intermediate_size: int = 0
+    bias: bool = False
+    swiglu: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.router not in ROUTERS:
+            raise ValueError(f"unknown router {self.router!r}; one of {ROUTERS}")
 
     def on(self, layer: int) -> bool:
         return self.layers is None or self.layers[layer]
@@ -93,6 +104,9 @@ class ModelConfig:
     attention_chunk_size: int | None = None
     qk_l2_norm: bool = False
     attn_temperature: tuple[float, float] | None = None
+    # gpt-oss: each head a learned sink, a logit in its softmax that no value answers; o_proj with a bias
+    attn_sinks: bool = False
+    o_proj_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -157,6 +171,7 @@ class ModelConfig:
                     "gemma2": "Gemma2ForCausalLM",
                     "cohere2": "Cohere2ForCausalLM",
                     "llama4_text": "Llama4ForCausalLM",
+                    "gpt_oss": "GptOssForCausalLM",
                 }.get(self.architecture, "LlamaForCausalLM")
             ],
             "model_type": self.architecture,
@@ -180,6 +195,13 @@ class ModelConfig:
             hf["no_rope_layers"] = [int(r) for r in self.rope_layers]
         if self.architecture == "llama4_text":
             return hf | _llama4_hf(self)
+        if self.architecture == "gpt_oss":
+            m = self.moe
+            rope = {"rope_type": "default", "rope_theta": self.rope_theta} | (self.rope_scaling or {})
+            return hf | {"intermediate_size": m.intermediate_size, "num_local_experts": m.num_experts,
+                         "num_experts_per_tok": m.top_k, "swiglu_alpha": m.swiglu[0], "swiglu_limit": m.swiglu[1],
+                         "sliding_window": self.sliding_window, "rope_parameters": rope,
+                         "layer_types": list(self.layer_types or ["full_attention"] * self.num_layers)}  # fmt: skip
         if self.moe is not None:
             m = self.moe
             hf |= {"num_experts": m.num_experts, "num_experts_per_tok": m.top_k, "norm_topk_prob": m.norm_topk_prob,
@@ -217,6 +239,8 @@ class ModelConfig:
             return _cohere2(cls, hf)
         if model_type == "llama4_text":
             return _llama4(cls, hf)
+        if model_type == "gpt_oss":
+            return _gpt_oss(cls, hf)
         if model_type == "llama4":
             raise ValueError(
                 "Llama 4's multimodal checkpoint (model_type llama4) is not supported; kvpage loads its "
@@ -373,7 +397,7 @@ def _llama4(cls, hf: dict[str, Any]) -> ModelConfig:
     experts = hf.get("num_local_experts", 16)
     expert_size = hf.get("intermediate_size", 8192)
     moe = MoE(experts, hf.get("num_experts_per_tok", 1), expert_size, False,
-              None if len(moe_layers) == n else tuple(i in moe_layers for i in range(n)), sigmoid_router=True,
+              None if len(moe_layers) == n else tuple(i in moe_layers for i in range(n)), router="sigmoid",
               shared_intermediate_size=expert_size) if moe_layers else None  # fmt: skip
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"Llama 4 with hidden_act {hf['hidden_act']!r} is not supported")
@@ -399,6 +423,35 @@ def _llama4(cls, hf: dict[str, Any]) -> ModelConfig:
         attn_temperature=(float(hf.get("floor_scale", 8192)), float(hf.get("attn_scale", 0.1)))
         if hf.get("attn_temperature_tuning", True)
         else None,
+    )
+
+
+def _gpt_oss(cls, hf: dict[str, Any]) -> ModelConfig:
+    """gpt-oss (GptOssConfig): windows on every other layer (the first), learned sinks in every head, biases
+    on q/k/v/o, YaRN-scaled RoPE, and on every layer a mixture of experts with biases and a clamped SwiGLU."""
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", None) or hf.get("rope_theta") or 150_000.0
+    scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+    if scaling is not None:
+        scaling.setdefault("rope_type", scaling.get("type"))
+    moe = MoE(hf.get("num_local_experts", 128), hf.get("num_experts_per_tok", 4), hf["intermediate_size"],
+              router="topk_softmax", bias=True,
+              swiglu=(float(hf.get("swiglu_alpha", 1.702)), float(hf.get("swiglu_limit", 7.0))))  # fmt: skip
+    shape = _shape(hf, max_position_embeddings=131_072, tie_word_embeddings=False, bos_token_id=None,
+                   eos_token_id=None)  # fmt: skip
+    return cls(
+        **(shape | {"rms_norm_eps": hf.get("rms_norm_eps", 1e-5)}),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        attention_bias=bool(hf.get("attention_bias", True)),
+        architecture="gpt_oss",
+        sliding_window=hf.get("sliding_window") if "sliding_attention" in types else None,
+        layer_types=tuple(types) if "sliding_attention" in types else None,
+        moe=moe,
+        attn_sinks=True,
+        o_proj_bias=bool(hf.get("attention_bias", True)),
     )
 
 

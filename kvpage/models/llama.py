@@ -60,7 +60,46 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
+    elif rope_type == "yarn":
+        inv_freq = _yarn(inv_freq, cfg, scaling)
     return inv_freq
+
+
+def _yarn(inv_freq: torch.Tensor, cfg: ModelConfig, scaling: dict) -> torch.Tensor:
+    """YaRN (gpt-oss): each frequency between extrapolated (as trained) and interpolated (divided by the
+    factor), by a linear ramp over the dimensions whose wavelengths the original context turned between
+    beta_slow and beta_fast times (transformers' arithmetic)."""
+    d, base, factor = cfg.head_dim, cfg.rope_theta, scaling["factor"]
+    old_len = scaling["original_max_position_embeddings"]
+
+    def dim_of(rotations: float) -> float:
+        return d * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    ramp = (
+        (torch.arange(d // 2, dtype=torch.float32, device="cpu") - low) / (high - low if high != low else 0.001)
+    ).clamp(0, 1)
+    keep = 1 - ramp  # the share of each frequency kept as trained
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What YaRN multiplies cos and sin by (0.1 ln(factor) + 1 unless the config names it); 1 otherwise."""
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling["factor"]
+    mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+
+    def get(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    return float(get(mscale) / get(mscale_all)) if mscale and mscale_all else get()
 
 
 class RotaryEmbedding(nn.Module):
@@ -68,13 +107,17 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies.
         self.inv_freq = rope_inv_freq(cfg)
+        self.attention_factor = rope_attention_factor(cfg)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, d/2], float32
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
 
 
 class Attention(nn.Module):
@@ -85,7 +128,9 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # q, k and v in one matmul: rows [0, q) are q, then k, then v
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        # gpt-oss: a sink logit per head; the layer's cache view carries it to the attention (LayerKV.sinks)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attn_sinks else None
         self.scale = float(cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.backend, self.ops = backend, ops
         self.eps = cfg.rms_norm_eps
@@ -114,8 +159,10 @@ class Attention(nn.Module):
             )
             if self.temperature:  # (this layer's table: each token's query scale, DecoderLayer.rope_table)
                 q = q * cos[:, None, :1]
+        if self.sinks is not None:
+            kv.sinks = self.sinks
         o = self.backend.forward(q, k, v, kv, meta, self.scale)
-        return self.ops.linear(o.reshape(-1, self.q_size), self.o_proj.weight)
+        return self.ops.linear(o.reshape(-1, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
     def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         """[T, q + 2 kv] with every head of q and k normalized over its head_dim (v as it was)."""
@@ -156,37 +203,48 @@ class SparseMoE(nn.Module):
         super().__init__()
         moe = cfg.moe
         assert moe is not None
-        self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)  # the router
+        self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=moe.bias)  # the router
         self.experts = nn.Module()
-        self.experts.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size,
-                                                             cfg.hidden_size))  # fmt: skip
-        self.experts.down_proj = nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size, moe.intermediate_size))
-        self.top_k, self.norm_topk, self.sigmoid = moe.top_k, moe.norm_topk_prob, moe.sigmoid_router
+        e, i, h = moe.num_experts, moe.intermediate_size, cfg.hidden_size
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.experts.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.experts.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i)) if moe.bias else None
+        self.experts.down_proj_bias = nn.Parameter(torch.empty(e, h)) if moe.bias else None
+        self.moe, self.sigmoid = moe, moe.router == "sigmoid"
         self.shared_expert = None
         if moe.shared_intermediate_size:
             self.shared_expert = MLP(dataclasses.replace(cfg, intermediate_size=moe.shared_intermediate_size), ops)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.ops.linear(x, self.gate.weight)  # [T, E]
-        if self.sigmoid:
-            top, chosen = torch.topk(logits, self.top_k, dim=-1)
-            weights = torch.sigmoid(top.float()).to(x.dtype)
-        else:
-            weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
-            if self.norm_topk:
+        moe, experts = self.moe, self.experts
+        logits = self.ops.linear(x, self.gate.weight, self.gate.bias)  # [T, E]
+        if moe.router == "softmax":
+            weights, chosen = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), moe.top_k, dim=-1)
+            if moe.norm_topk_prob:
                 weights = weights / weights.sum(dim=-1, keepdim=True)
-            weights = weights.to(x.dtype)
+        else:
+            top, chosen = torch.topk(logits, moe.top_k, dim=-1)
+            weights = torch.sigmoid(top.float()) if self.sigmoid else torch.softmax(top, dim=-1)
+        weights = weights.to(x.dtype)
         out = torch.zeros_like(x) if self.shared_expert is None else self.shared_expert(x)
         for e in torch.unique(chosen).tolist():  # (ascending: transformers' order of the adds)
             rows, slot = torch.where(chosen == e)
             w = weights[rows, slot, None]
-            h = self.ops.silu_mul(
-                self.ops.linear(x[rows] * w if self.sigmoid else x[rows], self.experts.gate_up_proj[e])
-            )
-            y = self.ops.linear(h, self.experts.down_proj[e])
+            bias = (None, None) if experts.down_proj_bias is None else \
+                (experts.gate_up_proj_bias[e], experts.down_proj_bias[e])  # fmt: skip
+            h = self.ops.linear(x[rows] * w if self.sigmoid else x[rows], experts.gate_up_proj[e], bias[0])
+            y = self.ops.linear(self._act(h), experts.down_proj[e], bias[1])
             out.index_add_(0, rows, y if self.sigmoid else y * w)
         return out
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.moe.swiglu is None:
+            return self.ops.silu_mul(gate_up)
+        alpha, limit = self.moe.swiglu  # (gpt-oss's clamped SwiGLU)
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class DecoderLayer(nn.Module):

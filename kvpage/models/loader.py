@@ -168,7 +168,9 @@ def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, device: str, back
     model.to_empty(device=device)
     model.load_weights(
         (name, shard.narrow(name, t, cfg))
-        for name, t in interleaved_rope_rows(unit_offset_norms(split_fused(llama4_names(weights, cfg), cfg), cfg), cfg)
+        for name, t in interleaved_rope_rows(
+            unit_offset_norms(split_fused(checkpoint_names(weights, cfg), cfg), cfg), cfg
+        )
     )
     # made in float32, then rounded: a bfloat16 model made in its dtype at once (its weights allocated
     # before the load's float32 temporaries came and went) decoded 5-8% slower offline here, its weights
@@ -191,21 +193,50 @@ def interleaved_rope_rows(weights, cfg: ModelConfig):
         yield name, t
 
 
-# Llama 4's checkpoint names (transformers' Llama4ForCausalLM) -> every other family's; its stacked experts
-# are [E, H, 2I] and [E, I, H], transposed to kvpage's [E, 2I, H] and [E, H, I] (`LLAMA4_EXPERTS`)
-LLAMA4_NAMES = ((".feed_forward.", ".mlp."), (".mlp.router.", ".mlp.gate."))
-LLAMA4_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+# The mixtures' checkpoints (transformers' names) -> kvpage's: its router is `mlp.gate`, its stacked experts
+# gate_up_proj [E, 2I, H] (gate rows, then up) and down_proj [E, H, I]. Llama 4 stores [E, H, 2I] and
+# [E, I, H] under `feed_forward`; gpt-oss the same transposes with gate and up interleaved (columns 0, 2, ...
+# the gate), and biases likewise.
+RENAMES = {"llama4_text": ((".feed_forward.", ".mlp."), (".mlp.router.", ".mlp.gate.")),
+           "gpt_oss": ((".mlp.router.", ".mlp.gate."),)}  # fmt: skip
 
 
-def llama4_names(weights, cfg: ModelConfig):
-    """(name, tensor) pairs of a Llama 4 checkpoint as kvpage names them (others as they are)."""
-    if cfg.architecture != "llama4_text":
+def _halves(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Interleaved pairs along `dim` (gate, up, gate, up, ...) as halves (gates, then ups)."""
+    pairs = t.unflatten(dim, (t.shape[dim] // 2, 2))
+    return torch.cat((pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)), dim)
+
+
+def _pairs(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """`_halves` undone: gates then ups along `dim` as interleaved pairs."""
+    gate, up = t.chunk(2, dim)
+    return torch.stack((gate, up), dim + 1).flatten(dim, dim + 1)
+
+
+def _expert_to_ours(name: str, t: torch.Tensor, arch: str) -> torch.Tensor:
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        t = t.transpose(1, 2)
+    return _halves(t, 1) if arch == "gpt_oss" and name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")) \
+        else t  # fmt: skip
+
+
+def _expert_to_checkpoint(name: str, t: torch.Tensor, arch: str) -> torch.Tensor:
+    if arch == "gpt_oss" and name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):
+        t = _pairs(t, 1)
+    return t.transpose(1, 2) if name.endswith(("experts.gate_up_proj", "experts.down_proj")) else t
+
+
+def checkpoint_names(weights, cfg: ModelConfig):
+    """(name, tensor) pairs of a Llama 4 or gpt-oss checkpoint as kvpage names and lays them out (others as
+    they are)."""
+    renames = RENAMES.get(cfg.architecture)
+    if renames is None:
         yield from weights
         return
     for name, t in weights:
-        for a, b in LLAMA4_NAMES:
+        for a, b in renames:
             name = name.replace(a, b)
-        yield name, (t.transpose(1, 2) if name.endswith(LLAMA4_EXPERTS) else t)
+        yield name, _expert_to_ours(name, t, cfg.architecture)
 
 
 def split_fused(weights, cfg: ModelConfig):
@@ -242,9 +273,9 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     for name, p in shapes.named_parameters():
         is_norm = name.endswith("norm.weight")
         t = 1.0 + 0.1 * torch.randn(p.shape, generator=g) if is_norm else 0.02 * torch.randn(p.shape, generator=g)
-        if cfg.architecture == "llama4_text":  # (its checkpoints' names and layout: llama4_names reversed)
-            t = t.transpose(1, 2) if name.endswith(LLAMA4_EXPERTS) else t
-            for a, b in reversed(LLAMA4_NAMES):
+        if cfg.architecture in RENAMES:  # (its checkpoints' names and layout: checkpoint_names undone)
+            t = _expert_to_checkpoint(name, t, cfg.architecture)
+            for a, b in reversed(RENAMES[cfg.architecture]):
                 name = name.replace(b, a)
         fused = name.split(".")[-2]
         if fused in split:

@@ -57,6 +57,13 @@ CASES = {
                                         intermediate_size_mlp=128, no_rope_layer_interval=2, attention_chunk_size=8,
                                         num_local_experts=4, num_experts_per_tok=2, moe_layers=[0], floor_scale=4,
                                         attn_scale=0.5, rope_parameters=LLAMA3)),
+    # windows on layer 0, a sink per head, biases on q/k/v/o, YaRN RoPE; on both layers 4 experts, 2 per token,
+    # weighted by a softmax over their logits, with biases and a SwiGLU clamped at 0.5 (it bites here)
+    "gpt-oss": ("GptOssConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=24,
+                                     sliding_window=8, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=0.5,
+                                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0, "truncate": False, "rope_theta": 1000.0,
+                                                      "original_max_position_embeddings": 16})),
     "smollm3-nope": ("SmolLM3Config", dict(num_attention_heads=4, num_key_value_heads=2, no_rope_layer_interval=2,
                                            pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "rope-linear": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=2,
@@ -76,6 +83,10 @@ def _saved(name: str, path: Path):
         config_cls, config_cls.replace("Config", "ForCausalLM")
     )
     hf = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():  # (transformers starts biases at zero: a bias left out would go unseen)
+        for n, p in hf.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0.0, 0.2)
     hf.save_pretrained(path)
     return hf
 
@@ -90,7 +101,8 @@ def pair(request, tmp_path_factory):
 def test_config_branches_are_read(pair):
     name, _, ours = pair
     cfg = ours.config
-    assert cfg.attention_bias == name.startswith("qwen2")
+    assert cfg.attention_bias == (name.startswith("qwen2") or name == "gpt-oss")
+    assert (cfg.attn_sinks, cfg.o_proj_bias) == ((True, True) if name == "gpt-oss" else (False, False))
     assert (cfg.num_kv_heads == cfg.num_heads) == (name == "llama-mha")
     assert cfg.tie_word_embeddings == (name in ("llama-mqa", "smollm3-nope", "gemma3", "gemma2", "cohere2"))
     assert ((cfg.rope_scaling or {}).get("rope_type")) == {
@@ -98,13 +110,15 @@ def test_config_branches_are_read(pair):
         "rope-llama3": "llama3",
         "gemma3": "linear",
         "llama4": "llama3",
+        "gpt-oss": "yarn",
     }.get(name)
     assert cfg.sliding_window == (8 if name in ("mistral-window", "qwen2-window", "phi3-fused", "gemma3", "gemma2",
-                                                "cohere2")
+                                                "cohere2", "gpt-oss")
                                   else None)  # fmt: skip
     assert cfg.rope_layers == ((True, False) if name in ("smollm3-nope", "cohere2", "llama4") else None)
     assert cfg.layer_types == {"qwen2-window": ("full_attention", "sliding_attention"),
                                "llama4": ("chunked_attention", "full_attention"),
+                               "gpt-oss": ("sliding_attention", "full_attention"),
                                "gemma3": ("sliding_attention", "full_attention"),
                                "gemma2": ("sliding_attention", "full_attention"),
                                "cohere2": ("sliding_attention", "full_attention")}.get(name)  # fmt: skip
@@ -117,8 +131,10 @@ def test_config_branches_are_read(pair):
     )
     assert cfg.qk_norm == (name in ("qwen3-qk-norm", "gemma3", "qwen3-moe"))
     assert cfg.moe == {"qwen3-moe": MoE(4, 2, 32, True, (False, True)),
-                       "llama4": MoE(4, 2, 16, False, (True, False), sigmoid_router=True,
-                                     shared_intermediate_size=16)}.get(name)  # fmt: skip
+                       "llama4": MoE(4, 2, 16, False, (True, False), router="sigmoid",
+                                     shared_intermediate_size=16),
+                       "gpt-oss": MoE(4, 2, 24, router="topk_softmax", bias=True,
+                                      swiglu=(1.702, 0.5))}.get(name)  # fmt: skip
     assert (cfg.attention_chunk_size, cfg.qk_l2_norm, cfg.attn_temperature) == (
         (8, True, (4.0, 0.5)) if name == "llama4" else (None, False, None)
     )
