@@ -1,4 +1,5 @@
-"""The LLaMA architecture (also Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Gemma 3) over the paged KV cache.
+"""The LLaMA architecture over the paged KV cache; also Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3,
+Gemma 2/3, Cohere 2, Qwen3-MoE, Llama 4 and gpt-oss, each a variation on it.
 
     tokens [T] -> embed -> L x ( x + attn(rmsnorm(x)),  x + mlp(rmsnorm(x)) ) -> rmsnorm -> lm_head
 
