@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpage.models.config import ModelConfig
+from kvpage.models.config import ModelConfig, MoE
 from kvpage.models.tokenizer import Tokenizer
 
 _GLOBAL_NAMES = {
@@ -37,9 +37,26 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # a mixture of experts: the router, and each projection of every expert stacked ([E, out, in]); gate and
+    # up are joined into one stacked gate_up_proj after reading (`_join_experts`)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "attn_sinks": "self_attn.sinks",
 }
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
-_ARCH_LAYER_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}  # Phi-3's ffn_up holds gate and up, fused
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "qwen3moe": "qwen3_moe",
+                  "gpt-oss": "gpt_oss", "smollm3": "smollm3", "cohere2": "cohere2"}  # fmt: skip
+# llama.cpp's converter permutes q and k rows of these (LLaMA's, and SmolLM3's, a LLaMA to it)
+_PERMUTED_QK = ("llama", "smollm3")
+# what llama.cpp's GGUFs of these families leave to its code: SmolLM3 drops RoPE on every 4th layer,
+# Cohere 2 slides on three layers of four (the fourth global, NoPE)
+SMOLLM3_NOPE_EVERY, COHERE2_PATTERN = 4, 4
+_ARCH_LAYER_NAMES = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},  # Phi-3's ffn_up holds gate and up, fused
+    "gpt_oss": {"post_attention_norm": "post_attention_layernorm"},  # (its norm before the mixture)
+}
+GPT_OSS_SWIGLU = (1.702, 7.0)  # llama.cpp's constants for gpt-oss's clamped SwiGLU (alpha, limit)
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str:
@@ -48,6 +65,8 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     parts = gguf_name.split(".")  # blk.N.attn_q.weight
     names = _LAYER_NAMES | _ARCH_LAYER_NAMES.get(arch, {})
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
+        if parts[2] == "attn_sinks":  # (a bare parameter in transformers, no .weight)
+            return f"model.layers.{parts[1]}.{names[parts[2]]}"
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
 
@@ -86,7 +105,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
     if meta.get(f"{arch}.rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
+    fields = dict(
         vocab_size=int(meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -94,7 +113,10 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // heads),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        # (Cohere's LayerNorm has its own key)
+        rms_norm_eps=float(
+            meta.get(f"{arch}.attention.layer_norm_rms_epsilon") or get("attention.layer_norm_epsilon")
+        ),  # fmt: skip
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         max_position_embeddings=int(get("context_length", 2048)),
@@ -104,8 +126,65 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
-        sliding_window=meta.get(f"{arch}.attention.sliding_window") if arch == "phi3" else None,  # every layer
+        sliding_window=meta.get(f"{arch}.attention.sliding_window") if arch in ("phi3", "gpt-oss", "cohere2") else None,
     )
+    return ModelConfig(**(fields | _family(arch, meta, tensor_names, int(get("block_count")))))
+
+
+def _family(arch: str, meta: dict[str, Any], tensor_names: set[str], n: int) -> dict[str, Any]:
+    """The ModelConfig fields of a family beyond LLaMA's: the mixture of experts (on the layers that have
+    a router), and gpt-oss's windows on every other layer, sinks, biases and YaRN (llama.cpp's constants
+    where its GGUFs carry none: the window pattern, the SwiGLU clamp)."""
+    out: dict[str, Any] = {}
+    if arch == "smollm3":
+        out["rope_layers"] = tuple((i + 1) % SMOLLM3_NOPE_EVERY != 0 for i in range(n))
+    if arch == "cohere2":
+        sliding = tuple((i + 1) % COHERE2_PATTERN != 0 for i in range(n))
+        out |= dict(layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),
+                    rope_layers=sliding, layer_norm=True, parallel_block=True, rope_interleaved=True,
+                    logit_scale=float(meta.get(f"{arch}.logit_scale", 0.0625)))  # fmt: skip
+    if arch in ("qwen3moe", "gpt-oss"):
+        on = tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(n))
+        common = dict(num_experts=int(meta[f"{arch}.expert_count"]), top_k=int(meta[f"{arch}.expert_used_count"]),
+                      intermediate_size=int(meta[f"{arch}.expert_feed_forward_length"]),
+                      layers=None if all(on) else on)  # fmt: skip
+        if arch == "qwen3moe":  # (llama.cpp renormalizes Qwen3-MoE's top k unless the file says otherwise)
+            out["moe"] = MoE(**common, norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)))
+        else:
+            clamp = meta.get(f"{arch}.swiglu_clamp_exp")
+            swiglu = (GPT_OSS_SWIGLU[0], float(clamp[0])) if clamp else GPT_OSS_SWIGLU
+            out["moe"] = MoE(**common, router="topk_softmax", bias=True, swiglu=swiglu)
+    if arch == "gpt-oss":
+        out |= dict(layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)),
+                    attn_sinks=True, o_proj_bias="blk.0.attn_output.bias" in tensor_names)  # fmt: skip
+        if meta.get(f"{arch}.rope.scaling.type") == "yarn":
+            out["rope_scaling"] = {
+                "rope_type": "yarn", "factor": float(meta[f"{arch}.rope.scaling.factor"]),
+                "original_max_position_embeddings": int(meta[f"{arch}.rope.scaling.original_context_length"]),
+                "beta_fast": float(meta.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+                "beta_slow": float(meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)), "truncate": False,
+            }  # fmt: skip
+    return out
+
+
+def _join_experts(weights: dict[str, np.ndarray], cfg: ModelConfig) -> None:
+    """Each layer's stacked gate and up projections (and biases) joined as one gate_up_proj, gates first,
+    as kvpage holds them, then laid out as the family's checkpoints are (loader.checkpoint_names reads
+    them back); down_proj likewise."""
+    import torch
+
+    from kvpage.models.loader import _expert_to_checkpoint
+
+    for gate in [n for n in weights if ".mlp.experts.gate_proj." in n]:
+        up = gate.replace("gate_proj", "up_proj")
+        joined = "mlp.experts.gate_up_proj" + ("" if gate.endswith(".weight") else "_bias")
+        name = gate.split(".mlp.")[0] + "." + joined
+        t = torch.from_numpy(np.concatenate([weights.pop(gate), weights.pop(up)], axis=1))
+        weights[name] = np.ascontiguousarray(_expert_to_checkpoint(name, t, cfg.architecture).numpy())
+    for down in [n for n in weights if ".mlp.experts.down_proj." in n]:
+        name = down.removesuffix(".weight").removesuffix(".bias") + ("" if down.endswith(".weight") else "_bias")
+        t = torch.from_numpy(weights.pop(down))
+        weights[name] = np.ascontiguousarray(_expert_to_checkpoint(name, t, cfg.architecture).numpy())
 
 
 def read_gguf(path: Path) -> tuple[ModelConfig, Tokenizer, dict[str, np.ndarray]]:
@@ -147,10 +226,11 @@ def _read(path: Path, keep_blocks: bool):
             w = np.asarray(t.data)  # F16: float16; other types: uint8 rows of blocks (whole rows of a matrix)
             if t.tensor_type != GGMLQuantizationType.F16:
                 types[name] = t.tensor_type.name
-        if cfg.architecture == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if cfg.architecture in _PERMUTED_QK and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = unpermute_qk(w, cfg.num_heads)
-        elif cfg.architecture == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif cfg.architecture in _PERMUTED_QK and name.endswith(("k_proj.weight", "k_proj.bias")):
             w = unpermute_qk(w, cfg.num_kv_heads)
         w = np.ascontiguousarray(w)
         weights[name] = w if w.flags.writeable else w.copy()  # F32 tensors come as read-only file maps
+    _join_experts(weights, cfg)
     return cfg, tokenizer, weights, types

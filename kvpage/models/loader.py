@@ -221,6 +221,8 @@ def _expert_to_ours(name: str, t: torch.Tensor, arch: str) -> torch.Tensor:
 
 
 def _expert_to_checkpoint(name: str, t: torch.Tensor, arch: str) -> torch.Tensor:
+    if arch not in RENAMES:  # (kvpage's layout is the checkpoints')
+        return t
     if arch == "gpt_oss" and name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):
         t = _pairs(t, 1)
     return t.transpose(1, 2) if name.endswith(("experts.gate_up_proj", "experts.down_proj")) else t

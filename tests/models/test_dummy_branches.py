@@ -5,6 +5,7 @@ window (8 keys) is far shorter than the prompts: every chunk and decode crosses 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,7 @@ CASES = {
                                         attn_scale=0.5, rope_parameters=LLAMA3)),
     # windows on layer 0, a sink per head, biases on q/k/v/o, YaRN RoPE; on both layers 4 experts, 2 per token,
     # weighted by a softmax over their logits, with biases and a SwiGLU clamped at 0.5 (it bites here)
-    "gpt-oss": ("GptOssConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=24,
+    "gpt-oss": ("GptOssConfig", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=32,
                                      sliding_window=8, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=0.5,
                                      rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                                                       "beta_slow": 1.0, "truncate": False, "rope_theta": 1000.0,
@@ -133,7 +134,7 @@ def test_config_branches_are_read(pair):
     assert cfg.moe == {"qwen3-moe": MoE(4, 2, 32, True, (False, True)),
                        "llama4": MoE(4, 2, 16, False, (True, False), router="sigmoid",
                                      shared_intermediate_size=16),
-                       "gpt-oss": MoE(4, 2, 24, router="topk_softmax", bias=True,
+                       "gpt-oss": MoE(4, 2, 32, router="topk_softmax", bias=True,
                                       swiglu=(1.702, 0.5))}.get(name)  # fmt: skip
     assert (cfg.attention_chunk_size, cfg.qk_l2_norm, cfg.attn_temperature) == (
         (8, True, (4.0, 0.5)) if name == "llama4" else (None, False, None)
@@ -213,7 +214,8 @@ def test_in_batch_prefix_hit_matches_transformers(pair):
 
 # llama.cpp's architectures for these families (its Mistral GGUFs carry no window; llama3 RoPE is a tensor;
 # SmolLM3's NoPE layers and Qwen2's windows are not read from a GGUF yet)
-GGUF_CASES = {"llama-mha", "llama-mqa", "qwen2-bias", "qwen3-qk-norm", "rope-linear", "phi3-fused"}
+GGUF_CASES = {"llama-mha", "llama-mqa", "qwen2-bias", "qwen3-qk-norm", "rope-linear", "phi3-fused", "qwen3-moe",
+              "gpt-oss"}  # fmt: skip
 
 
 @pytest.mark.same_on_every_kind  # the loader's part
@@ -228,11 +230,73 @@ def test_the_same_model_written_as_gguf_loads_the_same_model(pair, tmp_path):
     write_gguf_of(Path(ours.source), tmp_path / "model.gguf")
     from_gguf = load_model(str(tmp_path / "model.gguf"), dtype="float32", use_cache=False)
     for field in ("architecture", "num_heads", "num_kv_heads", "head_dim", "attention_bias", "qk_norm",
-                  "tie_word_embeddings", "rope_theta", "rope_scaling", "sliding_window"):  # fmt: skip
+                  "tie_word_embeddings", "rope_theta", "rope_scaling", "sliding_window", "layer_types",
+                  "attn_sinks", "o_proj_bias"):  # fmt: skip
         assert getattr(from_gguf.config, field) == getattr(ours.config, field), field
+    # (a GGUF carries no SwiGLU clamp for gpt-oss: llama.cpp's constant, where the test's model clamps lower)
+    from kvpage.models.gguf_loader import GPT_OSS_SWIGLU
+
+    moe = ours.config.moe and dataclasses.replace(ours.config.moe, swiglu=ours.config.moe.swiglu and GPT_OSS_SWIGLU)
+    assert from_gguf.config.moe == moe
     assert from_gguf.config.rms_norm_eps == pytest.approx(ours.config.rms_norm_eps, rel=1e-7)  # (a float32 there)
     a, b = dict(ours.model.named_parameters()), dict(from_gguf.model.named_parameters())
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.same_on_every_kind  # the loader's part
+@pytest.mark.parametrize("family", ["SmolLM3", "Cohere2"])
+def test_families_whose_layout_llama_cpp_fixes_load_from_gguf(family, tmp_path):
+    """llama.cpp's GGUFs of SmolLM3 and Cohere 2 carry no layer layout (its code drops RoPE on every fourth
+    SmolLM3 layer, slides on three Cohere 2 layers of four): four-layer models of transformers' defaults
+    load from such a GGUF as the same config and the same weights as from their directories."""
+    import transformers
+
+    from tests.models.tiny_gguf import write_gguf_of
+
+    kw = dict(num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = getattr(transformers, f"{family}Config")(**(SMALL | kw | {"num_hidden_layers": 4}))
+    if family == "Cohere2":
+        cfg.sliding_window, cfg.logit_scale = 8, 0.5
+    torch.manual_seed(0)
+    getattr(transformers, f"{family}ForCausalLM")(cfg).save_pretrained(tmp_path)
+    write_gguf_of(tmp_path, tmp_path / "model.gguf")
+    ours, from_gguf = (
+        load_model(str(tmp_path), dtype="float32"),
+        load_model(str(tmp_path / "model.gguf"), dtype="float32", use_cache=False),
+    )
+    assert ours.config.rope_layers == (True, True, True, False)
+    from kvpage.models.gguf_loader import read_gguf
+
+    read = read_gguf(tmp_path / "model.gguf")[0]  # (the file's own reading, before the conversion's config.json)
+    for field in ("architecture", "rope_layers", "layer_types", "sliding_window", "layer_norm", "parallel_block",
+                  "rope_interleaved", "logit_scale", "rope_theta", "tie_word_embeddings"):  # fmt: skip
+        assert getattr(from_gguf.config, field) == getattr(read, field) == getattr(ours.config, field), field
+    a, b = dict(ours.model.named_parameters()), dict(from_gguf.model.named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.same_on_every_kind  # the loader's part
+def test_gpt_oss_experts_in_mxfp4_load_as_gguf_dequantizes_them(tmp_path):
+    """gpt-oss's GGUFs hold the experts in MXFP4: each expert matrix loads as the gguf library dequantizes
+    the file's blocks (the float model's values, rounded to MXFP4), everything else as it was."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
+
+    from tests.models.tiny_gguf import write_gguf_of
+
+    _saved("gpt-oss", tmp_path)
+    write_gguf_of(tmp_path, tmp_path / "model.gguf", expert_type=Q.MXFP4)
+    a = dict(load_model(str(tmp_path), dtype="float32").model.named_parameters())
+    b = dict(load_model(str(tmp_path / "model.gguf"), dtype="float32", use_cache=False).model.named_parameters())
+    assert a.keys() == b.keys()
+    for name in a:
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            i = a[name].shape[1] // 2  # (gate and up: each quantized as its own tensor)
+            parts = (a[name][:, :i], a[name][:, i:]) if name.endswith("gate_up_proj") else (a[name],)
+            want = torch.cat([torch.from_numpy(dequantize(quantize(p.numpy(), Q.MXFP4), Q.MXFP4)) for p in parts], 1)
+            assert torch.equal(b[name], want) and not torch.equal(b[name], a[name]), name
+        else:
+            assert torch.equal(a[name], b[name]), name
 
 
 @pytest.mark.same_on_every_kind  # the loader's part

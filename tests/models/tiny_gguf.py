@@ -101,22 +101,52 @@ def write_tiny_llama(path: Path, types: dict[str, Q], *, tied: bool = False, see
     w.close()
 
 
-def write_gguf_of(hf_dir: Path, path: Path) -> None:
+LLAMA_CPP_ARCH = {"qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}  # transformers' model_type -> llama.cpp's
+
+
+def _experts(tensors: dict[str, np.ndarray], arch: str) -> dict[str, np.ndarray]:
+    """A mixture's tensors as llama.cpp's converter writes them: each projection of every expert stacked,
+    [E, out, in] (`mlp.experts.gate_proj` / `up_proj` / `down_proj`, biases `..._bias`), gate and up apart;
+    Qwen3-MoE's per-expert tensors stacked, gpt-oss's [E, in, out] tensors transposed and its interleaved
+    gate/up pairs split."""
+    out, per_expert = {}, {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if ".mlp.experts." in name and parts[5].isdigit():  # model.layers.N.mlp.experts.E.<proj>.weight
+            per_expert.setdefault((parts[2], parts[6]), {})[int(parts[5])] = t
+        elif arch == "gpt_oss" and name.endswith("experts.gate_up_proj"):
+            t = t.transpose(0, 2, 1)
+            base = name.removesuffix("gate_up_proj")
+            out[base + "gate_proj"], out[base + "up_proj"] = t[:, 0::2], t[:, 1::2]
+        elif arch == "gpt_oss" and name.endswith("experts.gate_up_proj_bias"):
+            base = name.removesuffix("gate_up_proj_bias")
+            out[base + "gate_proj_bias"], out[base + "up_proj_bias"] = t[:, 0::2], t[:, 1::2]
+        elif arch == "gpt_oss" and name.endswith("experts.down_proj"):
+            out[name] = t.transpose(0, 2, 1)
+        else:
+            out[name] = t
+    for (layer, proj), by_expert in per_expert.items():
+        out[f"model.layers.{layer}.mlp.experts.{proj}"] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
+
+
+def write_gguf_of(hf_dir: Path, path: Path, expert_type: Q = Q.F32) -> None:
     """The Hugging Face model saved in `hf_dir` (config.json, model.safetensors) as llama.cpp's converter
-    writes it: llama.cpp's tensor names and metadata keys for its architecture, float32 tensors, q and k
-    rows permuted for LLaMA, and a byte-level vocabulary of the model's size."""
+    writes it: llama.cpp's tensor names and metadata keys for its architecture, float32 tensors (a mixture's
+    expert matrices in `expert_type`: gpt-oss's GGUFs hold them in MXFP4), q and k rows permuted for LLaMA,
+    and a byte-level vocabulary of the model's size."""
     import json
 
     from safetensors.numpy import load_file
 
-    from kvpage.models.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES
+    from kvpage.models.gguf_loader import _ARCH_LAYER_NAMES, _GLOBAL_NAMES, _LAYER_NAMES
 
     hf = json.loads((hf_dir / "config.json").read_text())
     arch = hf["model_type"]
-    assert arch in ("llama", "qwen2", "qwen3", "phi3"), arch
+    assert arch in ("llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "gpt_oss", "smollm3", "cohere2"), arch
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     kv_heads = hf.get("num_key_value_heads") or heads
-    w = GGUFWriter(str(path), arch)
+    w = GGUFWriter(str(path), LLAMA_CPP_ARCH.get(arch, arch))
     w.add_block_count(hf["num_hidden_layers"])
     w.add_context_length(hf["max_position_embeddings"])
     w.add_embedding_length(hidden)
@@ -130,9 +160,21 @@ def write_gguf_of(hf_dir: Path, path: Path) -> None:
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
-    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
-    if arch == "phi3" and hf.get("sliding_window"):
+    elif rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if arch == "cohere2":  # (a LayerNorm's epsilon, its logit scale)
+        w.add_layer_norm_eps(hf["layer_norm_eps"])
+        w.add_logit_scale(hf["logit_scale"])
+    else:
+        w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    if arch in ("phi3", "gpt_oss", "cohere2") and hf.get("sliding_window"):
         w.add_sliding_window(hf["sliding_window"])
+    if arch in ("qwen3_moe", "gpt_oss"):
+        w.add_expert_count(hf.get("num_experts") or hf["num_local_experts"])
+        w.add_expert_used_count(hf["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(hf.get("moe_intermediate_size") or hf["intermediate_size"])
     w.add_vocab_size(hf["vocab_size"])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt2")
@@ -141,18 +183,28 @@ def write_gguf_of(hf_dir: Path, path: Path) -> None:
     w.add_token_merges([])
     w.add_eos_token_id(hf["vocab_size"] - 1)
     to_gguf = {v: k for k, v in _GLOBAL_NAMES.items()}
-    layer_parts = {v: k for k, v in _LAYER_NAMES.items()} | {"mlp.gate_up_proj": "ffn_up"}  # (Phi-3's fused)
-    for name, t in load_file(str(hf_dir / "model.safetensors")).items():
+    layer_parts = {v: k for k, v in (_LAYER_NAMES | _ARCH_LAYER_NAMES.get(arch, {})).items()}
+    layer_parts |= {"mlp.gate_up_proj": "ffn_up", "mlp.router": "ffn_gate_inp"}  # (Phi-3's fused; gpt-oss's router)
+    for name, t in _experts(load_file(str(hf_dir / "model.safetensors")), arch).items():
         if name in to_gguf:
             out = to_gguf[name]
-        else:  # model.layers.N.<part>.<weight|bias>
-            _, _, i, *part, kind = name.split(".")
+        elif name.endswith(".sinks"):  # model.layers.N.self_attn.sinks
+            out = f"blk.{name.split('.')[2]}.attn_sinks.weight"
+        else:  # model.layers.N.<part>.<weight|bias>, or a stacked expert tensor: model.layers.N.<part>[_bias]
+            _, _, i, *part = name.split(".")
+            kind = "bias" if part[-1].endswith("_bias") else "weight"
+            if part[-1] in ("weight", "bias"):
+                kind = part.pop()
+            part[-1] = part[-1].removesuffix("_bias")
             out = f"blk.{i}.{layer_parts['.'.join(part)]}.{kind}"
         t = t.astype(np.float32)
-        if arch == "llama" and ".attn_q." in out:
+        if arch in ("llama", "smollm3") and ".attn_q." in out:
             t = permute_qk(t, heads)
-        elif arch == "llama" and ".attn_k." in out:
+        elif arch in ("llama", "smollm3") and ".attn_k." in out:
             t = permute_qk(t, kv_heads)
+        if out.endswith("_exps.weight") and expert_type != Q.F32:
+            w.add_tensor(out, quantize(np.ascontiguousarray(t), expert_type), raw_dtype=expert_type)
+            continue
         w.add_tensor(out, np.ascontiguousarray(t))
     w.write_header_to_file()
     w.write_kv_data_to_file()
