@@ -48,6 +48,7 @@ class Setup:
     recompute_ratio: float = 0.0  # CacheBlend's share (segments)
     window: int = 0  # the model's layers read a sliding window (or a chunk) of this many keys (known once loaded)
     kv_groups: int = 1  # the model's KV-cache groups (core/kv_spec.py: several where its layers' kinds mix)
+    state_layers: bool = False  # the model has state-space layers (a recurrent state in its blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,7 @@ SEGMENTS = Feature("a prompt of segments", lambda s: s.segments, {"segments": Tr
 RECOMPUTE_RATIO = Feature("selective recompute", lambda s: s.recompute_ratio > 0, {"recompute_ratio": 0.3})
 WINDOW = Feature("a model of local layers (sliding windows or chunks)", lambda s: s.window > 0, {"window": 4096})
 GROUPS = Feature("a model of several KV-cache groups", lambda s: s.kv_groups > 1, {"kv_groups": 2})
+STATE_LAYERS = Feature("a model of state-space layers", lambda s: s.state_layers, {"state_layers": True})
 VERIFY_KV = Feature("verify_kv_every", lambda s: s.verify_kv, {"verify_kv": True})
 
 
@@ -168,6 +170,15 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(DETERMINISTIC, WINDOW, "deterministic",
             _det(lambda s: f"a model of local layers (a window or chunk of {s.window} tokens): its attention takes "
                            "the torch path")),
+    Refusal(EVICTS, STATE_LAYERS, "kv_eviction",
+            lambda s: f"kv_eviction {s.eviction.describe()} does not go with state-space layers: a block of their "
+                      "group holds the state every later token reads"),
+    Refusal(KEY_BOUNDS, STATE_LAYERS, "kv_read_budget",
+            lambda s: "kv_read_budget does not go with state-space layers yet"),
+    Refusal(SEGMENTS, STATE_LAYERS, "segments",
+            lambda s: "a prompt of segments does not go with state-space layers: a state cannot be re-positioned"),
+    Refusal(DETERMINISTIC, STATE_LAYERS, "deterministic",
+            _det(lambda s: "a model of state-space layers: its mixers are not batch-invariant kernels yet")),
     Refusal(CPU_OFFLOAD, GROUPS, "cpu_offload_memory",
             lambda s: f"cpu_offload_memory does not go with a model of {s.kv_groups} KV-cache groups (layers of "
                       "mixed kinds) yet: the CPU tier keeps one group's blocks"),
@@ -190,7 +201,11 @@ def model_facts(specs: Sequence[LayerSpec]) -> dict:
     reach (a sliding window, or a chunk: Llama 4's layers read at most their chunk), and its KV-cache groups."""
     windows = [s.window if isinstance(s, SlidingWindow) else s.chunk for s in specs
                if isinstance(s, SlidingWindow | ChunkedLocal)]  # fmt: skip
-    return {"window": max(windows, default=0), "kv_groups": len(group_layers(specs))}
+    return {
+        "window": max(windows, default=0),
+        "kv_groups": len(group_layers(specs)),
+        "state_layers": any(s.kind == "state" for s in specs),
+    }
 
 
 def refusal_of(setup: Setup) -> tuple[Refusal, str] | None:

@@ -5,6 +5,14 @@ A layer kind is known by which keys a query at position p reads (transformers' m
     FullAttention          keys 0 .. p
     SlidingWindow(W)       keys p - W + 1 .. p        (kv > q - W: W keys, the query's own included)
     ChunkedLocal(C)        keys p // C * C .. p        (its own chunk of C tokens)
+    RecurrentState         the state after p tokens    (a state-space layer: Mamba-2's conv and SSM state)
+
+A recurrent layer reads no keys but a fixed-size state: its group's block i holds the state after the
+last token written into block i (the snapshot at the block's end once the block is full, the running
+state while it is the last, partial one), so it follows the rules of a window of two tokens: the token
+at p reads the state in the block of token p - 1, blocks before that one are released, and a prefix hit
+of k blocks needs block k - 1 only. A full block's state never changes again (it is cached and shared
+like a KV block); a shared partial one is copied before a sibling writes to it, as KV is.
 
 `first_visible(p)` never decreases with p, so once `n` tokens are computed no later query reads a key
 before `first_visible(n)`: the blocks wholly before it can be released (`num_releasable`), and a
@@ -70,7 +78,18 @@ class ChunkedLocal:
         return f"chunks of {self.chunk} tokens"
 
 
-LayerSpec = FullAttention | SlidingWindow | ChunkedLocal
+@dataclass(frozen=True, slots=True)
+class RecurrentState:
+    kind: ClassVar[str] = "state"
+
+    def first_visible(self, pos: int) -> int:
+        return max(0, pos - 1)  # the state left by the token before
+
+    def describe(self) -> str:
+        return "a recurrent state (a snapshot at each block's end)"
+
+
+LayerSpec = FullAttention | SlidingWindow | ChunkedLocal | RecurrentState
 FULL = FullAttention()
 
 
@@ -95,8 +114,8 @@ def max_live_blocks(spec: LayerSpec, block_size: int, num_new_tokens: int = 1) -
     if isinstance(spec, FullAttention):
         return None
     bs, k = block_size, num_new_tokens
-    if isinstance(spec, SlidingWindow):
-        return (spec.window - 1 + k - 2) // bs + 2
+    if isinstance(spec, SlidingWindow | RecurrentState):  # (a state: a window of two tokens)
+        return ((spec.window if isinstance(spec, SlidingWindow) else 2) - 1 + k - 2) // bs + 2
     period = spec.chunk * bs // math.gcd(spec.chunk, bs)
     return max(-(-(n + k) // bs) - num_releasable(spec, n, bs) for n in range(period))
 
@@ -176,11 +195,13 @@ def layer_specs(num_layers: int, *, sliding_window: int | None = None, layer_typ
             if not sliding_window:
                 raise ValueError(f"layer {i} is sliding_attention but the config sets no sliding_window")
             out.append(SlidingWindow(sliding_window))
+        elif t in ("linear_attention", "mamba"):  # (Bamba's and Mamba-2's name for a state-space layer)
+            out.append(RecurrentState())
         elif t == "chunked_attention":
             if not attention_chunk_size:
                 raise ValueError(f"layer {i} is chunked_attention but the config sets no attention_chunk_size")
             out.append(ChunkedLocal(attention_chunk_size))
         else:
             raise ValueError(f"layer {i}: layer type {t!r} is not supported (full_attention, sliding_attention, "
-                             "chunked_attention)")  # fmt: skip
+                             "chunked_attention, linear_attention)")  # fmt: skip
     return tuple(out)

@@ -45,6 +45,9 @@ class Shard:
     size: int
 
     def check(self, cfg: ModelConfig) -> None:
+        if self.size > 1 and cfg.mamba is not None:
+            raise ParameterError("tensor_parallel_size", f"tensor_parallel_size={self.size} does not go with "
+                                 "state-space layers yet")  # fmt: skip
         if self.size > 1 and cfg.moe is not None:
             raise ParameterError("tensor_parallel_size", f"tensor_parallel_size={self.size} does not go with a mixture "
                                  "of experts yet (its experts are not split across ranks)")  # fmt: skip

@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = (
     "cohere2",
     "llama4_text",
     "gpt_oss",
+    "bamba",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ROUTERS = ("softmax", "sigmoid", "topk_softmax")
@@ -52,6 +53,38 @@ class MoE:
 
     def on(self, layer: int) -> bool:
         return self.layers is None or self.layers[layer]
+
+
+@dataclass(frozen=True, slots=True)
+class Mamba:
+    """Mamba-2's mixer on a model's state-space layers (Bamba's `mamba_*` keys): `num_heads` heads of
+    `head_dim` over an inner width of num_heads * head_dim, B and C in `num_groups` groups of `state_size`,
+    a causal depthwise convolution of `conv_kernel` taps over x, B and C."""
+
+    num_heads: int
+    head_dim: int
+    num_groups: int
+    state_size: int
+    conv_kernel: int
+    conv_bias: bool = True
+    proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.num_groups * self.state_size
+
+    @property
+    def ssm_numel(self) -> int:
+        return self.num_heads * self.head_dim * self.state_size
+
+    @property
+    def conv_numel(self) -> int:
+        return (self.conv_kernel - 1) * self.conv_dim
 
 
 @dataclass(slots=True)
@@ -107,6 +140,10 @@ class ModelConfig:
     # gpt-oss: each head a learned sink, a logit in its softmax that no value answers; o_proj with a bias
     attn_sinks: bool = False
     o_proj_bias: bool = False
+    # Bamba: Mamba-2 mixers on its state-space layers (`layer_types` "linear_attention"); RoPE on the first
+    # `rotary_dim` dims of each head only (None: all; q/k rows permuted at load so halves pair as kvpage rotates)
+    mamba: Mamba | None = None
+    rotary_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -172,6 +209,7 @@ class ModelConfig:
                     "cohere2": "Cohere2ForCausalLM",
                     "llama4_text": "Llama4ForCausalLM",
                     "gpt_oss": "GptOssForCausalLM",
+                    "bamba": "BambaForCausalLM",
                 }.get(self.architecture, "LlamaForCausalLM")
             ],
             "model_type": self.architecture,
@@ -195,6 +233,16 @@ class ModelConfig:
             hf["no_rope_layers"] = [int(r) for r in self.rope_layers]
         if self.architecture == "llama4_text":
             return hf | _llama4_hf(self)
+        if self.architecture == "bamba":
+            m = self.mamba
+            types = self.layer_types or ("linear_attention",) * self.num_layers
+            rope = {"rope_type": "default", "rope_theta": self.rope_theta,
+                    "partial_rotary_factor": (self.rotary_dim or self.head_dim) / self.head_dim}  # fmt: skip
+            return hf | {"attn_layer_indices": [i for i, t in enumerate(types) if t == "full_attention"],
+                         "mamba_n_heads": m.num_heads, "mamba_d_head": m.head_dim, "mamba_n_groups": m.num_groups,
+                         "mamba_d_state": m.state_size, "mamba_d_conv": m.conv_kernel, "mamba_conv_bias": m.conv_bias,
+                         "mamba_proj_bias": m.proj_bias, "mamba_expand": m.intermediate_size // self.hidden_size,
+                         "time_step_limit": list(m.time_step_limit), "rope_parameters": rope}  # fmt: skip
         if self.architecture == "gpt_oss":
             m = self.moe
             rope = {"rope_type": "default", "rope_theta": self.rope_theta} | (self.rope_scaling or {})
@@ -241,6 +289,8 @@ class ModelConfig:
             return _llama4(cls, hf)
         if model_type == "gpt_oss":
             return _gpt_oss(cls, hf)
+        if model_type == "bamba":
+            return _bamba(cls, hf)
         if model_type == "llama4":
             raise ValueError(
                 "Llama 4's multimodal checkpoint (model_type llama4) is not supported; kvpage loads its "
@@ -452,6 +502,37 @@ def _gpt_oss(cls, hf: dict[str, Any]) -> ModelConfig:
         moe=moe,
         attn_sinks=True,
         o_proj_bias=bool(hf.get("attention_bias", True)),
+    )
+
+
+def _bamba(cls, hf: dict[str, Any]) -> ModelConfig:
+    """Bamba (BambaConfig): Mamba-2 state-space layers, full attention on `attn_layer_indices` with RoPE on
+    half of each head (transformers fixes partial_rotary_factor at 0.5), LLaMA's MLP and norms."""
+    n, hidden = hf["num_hidden_layers"], hf["hidden_size"]
+    attn = set(hf.get("attn_layer_indices") or ())
+    types = tuple("full_attention" if i in attn else "linear_attention" for i in range(n))
+    heads, expand = hf.get("mamba_n_heads", 128), hf.get("mamba_expand", 2)
+    head_dim = hf.get("mamba_d_head", "auto")
+    head_dim = expand * hidden // heads if head_dim in (None, "auto") else head_dim
+    # (transformers writes infinity as {"__float__": "Infinity"})
+    limit = [x["__float__"] if isinstance(x, dict) else x for x in hf.get("time_step_limit") or (0.0, "inf")]
+    mamba = Mamba(heads, head_dim, hf.get("mamba_n_groups", 1), hf.get("mamba_d_state", 256), hf.get("mamba_d_conv", 4),
+                  bool(hf.get("mamba_conv_bias", True)), bool(hf.get("mamba_proj_bias", False)),
+                  (float(limit[0]), float(limit[1])))  # fmt: skip
+    rope = dict(hf.get("rope_parameters") or {})
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError("Bamba with a scaled RoPE is not supported")
+    if hf.get("mlp_bias"):
+        raise ValueError("models with MLP biases (mlp_bias=true) are not supported")
+    shape = _shape(hf, max_position_embeddings=262_144, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    return cls(
+        **(shape | {"rms_norm_eps": hf.get("rms_norm_eps", 1e-5)}),
+        rope_theta=float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        architecture="bamba",
+        layer_types=types,
+        mamba=mamba,
+        rotary_dim=int(shape["head_dim"] * float(rope.get("partial_rotary_factor", 0.5))),
     )
 
 

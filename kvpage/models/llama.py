@@ -24,6 +24,7 @@ from kvpage.attention import AttentionBackend, AttentionMetadata, LayerKV, get_b
 from kvpage.models.config import ModelConfig
 from kvpage.models.layer_hook import LayerHook
 from kvpage.models.layer_ops import TorchLayerOps, rms_norm_ref
+from kvpage.models.mamba import MambaMixer
 
 # one expert's projection in a checkpoint of a mixture of experts (Qwen3-MoE's per-expert names)
 _EXPERT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -43,9 +44,13 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies of the rotary embedding, with linear or llama3 scaling when asked."""
-    d = cfg.head_dim
+    # RoPE on the first rotary_dim dims of a head (Bamba): their frequencies, then zeros (cos 1, sin 0) for
+    # the rest, which the loader's row order (partial_rope_rows) pairs among themselves
+    d = cfg.rotary_dim or cfg.head_dim
     # explicit device: the model may be built under torch.device("meta"), and these are not weights
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
+    if d != cfg.head_dim:
+        return torch.cat([inv_freq, torch.zeros((cfg.head_dim - d) // 2, device="cpu")])
     scaling = cfg.rope_scaling or {}
     rope_type = scaling.get("rope_type", "default")
     if rope_type == "linear":
@@ -257,7 +262,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.comm = comm  # a tensor-parallel shard's group: o_proj and down_proj are row-parallel
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend, ops, rope=cfg.rope_layers is None or cfg.rope_layers[index])
+        # the token mixer: attention, or on a state-space layer (Bamba) Mamba-2's mixer, called alike
+        state = cfg.layer_specs[index].kind == "state"
+        self.self_attn = None if state else Attention(cfg, backend, ops, rope=cfg.rope_layers is None or
+                                                      cfg.rope_layers[index])  # fmt: skip
+        self.mamba = MambaMixer(cfg, ops) if state else None
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg, ops) if cfg.moe is not None and cfg.moe.on(index) else MLP(cfg, ops)
         self.ops = ops
@@ -282,7 +291,7 @@ class DecoderLayer(nn.Module):
             h = self.ops.rms_norm(x, norm1.weight, norm1.eps)
         else:
             x, h = self.ops.add_rms_norm(x, delta, norm1.weight, norm1.eps)
-        attn = self.self_attn(h, cos, sin, kv, meta)
+        attn = (self.self_attn or self.mamba)(h, cos, sin, kv, meta)
         if self.comm is not None:
             self.comm.all_reduce(attn)  # the heads' partial sums of o_proj
         return x, attn

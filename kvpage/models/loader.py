@@ -168,8 +168,8 @@ def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, device: str, back
     model.to_empty(device=device)
     model.load_weights(
         (name, shard.narrow(name, t, cfg))
-        for name, t in interleaved_rope_rows(
-            unit_offset_norms(split_fused(checkpoint_names(weights, cfg), cfg), cfg), cfg
+        for name, t in partial_rope_rows(
+            interleaved_rope_rows(unit_offset_norms(split_fused(checkpoint_names(weights, cfg), cfg), cfg), cfg), cfg
         )
     )
     # made in float32, then rounded: a bfloat16 model made in its dtype at once (its weights allocated
@@ -198,7 +198,10 @@ def interleaved_rope_rows(weights, cfg: ModelConfig):
 # [E, I, H] under `feed_forward`; gpt-oss the same transposes with gate and up interleaved (columns 0, 2, ...
 # the gate), and biases likewise.
 RENAMES = {"llama4_text": ((".feed_forward.", ".mlp."), (".mlp.router.", ".mlp.gate.")),
-           "gpt_oss": ((".mlp.router.", ".mlp.gate."),)}  # fmt: skip
+           "gpt_oss": ((".mlp.router.", ".mlp.gate."),),
+           # (not a mixture: Bamba's norms and MLP under LLaMA's names)
+           "bamba": ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."),
+                     ("model.final_layernorm.", "model.norm."))}  # fmt: skip
 
 
 def _halves(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -239,6 +242,23 @@ def checkpoint_names(weights, cfg: ModelConfig):
         for a, b in renames:
             name = name.replace(a, b)
         yield name, _expert_to_ours(name, t, cfg.architecture)
+
+
+def partial_rope_rows(weights, cfg: ModelConfig):
+    """RoPE on the first r dims of a head (Bamba) pairs dim i with i + r/2 (i < r/2); kvpage rotates d/2
+    pairs (i, i + d/2). Each head's q and k rows reordered [0, r/2), [r, r + (d-r)/2), [r/2, r),
+    [r + (d-r)/2, d) turn the one into the other, the unrotated dims paired among themselves (their
+    frequency zero: rope_inv_freq); scores do not change (q and k permuted alike)."""
+    r, d = cfg.rotary_dim, cfg.head_dim
+    if r is None or r == d:
+        yield from weights
+        return
+    order = torch.cat([torch.arange(0, r // 2), torch.arange(r, r + (d - r) // 2), torch.arange(r // 2, r),
+                       torch.arange(r + (d - r) // 2, d)])  # fmt: skip
+    for name, t in weights:
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            t = t.reshape(-1, d, t.shape[-1])[:, order].reshape(t.shape)
+        yield name, t
 
 
 def split_fused(weights, cfg: ModelConfig):

@@ -108,6 +108,9 @@ def quantize_model(model, weight_dtype: str) -> int:
     if model.config.moe is not None:
         raise ParameterError("weight_dtype", f"weight_dtype={weight_dtype!r} does not go with a mixture of experts "
                              "yet (its experts' weights are stacked tensors, not linear layers)")  # fmt: skip
+    if model.config.mamba is not None:
+        raise ParameterError("weight_dtype", f"weight_dtype={weight_dtype!r} does not go with state-space layers "
+                             "yet (their mixers are not quantized)")  # fmt: skip
     total = 0
     for layer in model.layers:
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):

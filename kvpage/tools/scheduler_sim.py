@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from kvpage.core.block import cdiv
 from kvpage.core.eviction import H2O, Demote, EvictionPolicy, StreamingLLM
 from kvpage.core.kv_cache_manager import KVCacheManager
-from kvpage.core.kv_spec import FULL, ChunkedLocal, LayerSpec, SlidingWindow
+from kvpage.core.kv_spec import FULL, ChunkedLocal, LayerSpec, RecurrentState, SlidingWindow
 from kvpage.core.request import Request
 from kvpage.core.scheduler import Scheduler
 from kvpage.core.scheduler_output import SchedulerOutput
@@ -183,10 +183,11 @@ def _add_features(w: Workload, rng: random.Random) -> None:
 
 def _add_layer_window(w: Workload, rng: random.Random) -> None:
     """For some workloads without eviction policies or segments: layers that read a sliding window
-    or chunks of a few blocks (their own stream: the other workloads stay what they were)."""
+    or chunks of a few blocks, or keep a recurrent state (their own stream: the other workloads stay what they were)."""
     if rng.random() < 0.3 and not any(r.get("eviction") or r.get("segments") for r in w.requests):
         reach = rng.randint(1, 3 * w.block_size)
-        w.layer_spec = SlidingWindow(reach) if rng.random() < 0.6 else ChunkedLocal(reach)
+        kind = rng.random()  # (a state-space layer's state: a window of two tokens, whatever the reach)
+        w.layer_spec = SlidingWindow(reach) if kind < 0.5 else ChunkedLocal(reach) if kind < 0.8 else RecurrentState()
         if rng.random() < 0.5:  # a full-attention group beside it (Gemma's, Qwen2's layers)
             w.group_specs = (FULL, w.layer_spec)
 

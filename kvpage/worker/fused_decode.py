@@ -44,6 +44,7 @@ class FusedDecode:
             and model.config.rope_layers is None  # and rotate q and k on every layer,
             and model.config.moe is None  # and have one MLP a layer after the attention)
             and not model.config.parallel_block
+            and model.config.mamba is None  # (attention on every layer)
             and all(layer.self_attn.backend.fuses_decode for layer in model.layers)
         )
 

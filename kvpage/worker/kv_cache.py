@@ -52,6 +52,23 @@ def kv_dtype_name(kv_cache_dtype: str, dtype: torch.dtype) -> str:
     return kv_cache_dtype
 
 
+def check_state_fits(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str) -> None:
+    """A state-space layer keeps its state in its block's page (models/mamba.py): ParameterError naming
+    block_size when a page is too small for it, with the smallest block size that fits (vLLM likewise
+    raises the attention block size of hybrid models until a page holds a state)."""
+    from kvpage.errors import ParameterError
+    from kvpage.models.mamba import fits
+
+    if kv_cache_dtype != "auto":
+        raise ParameterError("kv_cache_dtype", f"kv_cache_dtype={kv_cache_dtype!r} does not go with state-space "
+                             "layers yet: their state is kept in the model's dtype")  # fmt: skip
+    per_token, size = cfg.num_kv_heads * cfg.head_dim, torch.empty(0, dtype=dtype).element_size()
+    if not fits(cfg.mamba, per_token * block_size, size):
+        need = next(b for b in range(block_size, 1 << 20) if fits(cfg.mamba, per_token * b, size))
+        raise ParameterError("block_size", f"a block of {block_size} tokens cannot hold this model's state-space "
+                             f"state in its page; use block_size >= {need}")  # fmt: skip
+
+
 class KVCache:
     def __init__(
         self,
@@ -74,6 +91,8 @@ class KVCache:
         self.groups = cfg.kv_groups
         if len(self.groups) > 1 and (key_bounds or cold_blocks):
             raise ValueError("key bounds and demoted pools are for a model of one KV-cache group")
+        if cfg.mamba is not None:
+            check_state_fits(cfg, block_size, dtype, kv_cache_dtype)
         self.layer_groups = [0] * cfg.num_layers  # each model layer's group
         slots = list(range(cfg.num_layers))  # each model layer's page slot
         for g in self.groups:

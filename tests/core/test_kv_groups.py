@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvpage.core import AdmissionStatus, InvariantError, KVCacheManager
-from kvpage.core.kv_spec import FULL, SlidingWindow
+from kvpage.core.kv_spec import FULL, RecurrentState, SlidingWindow
 from tests.core.test_kv_cache_manager import BS, Seqs, finish, toks
 from tests.core.test_layer_window import step  # (one decode step that ran: every group's window applied)
 
@@ -173,4 +173,28 @@ def test_the_memory_map_lists_every_groups_table():
         ("a", 1, (None,) * 4 + (11, 12, 13)),  # the window released its first four (free, cached)
     ]
     assert m.as_dict()["tables"][1]["group"] == 1 and [m.gpu[b] for b in (7, 11)] == [-1, 1]
+    finish(s)
+
+
+STATE = RecurrentState()
+
+
+def test_a_state_group_holds_the_running_state_and_keeps_each_blocks_end_as_a_hit():
+    """A state-space group (kv_spec.RecurrentState: block i holds the state after block i's last token)
+    holds the block of the state a step reads and the one it writes, at most 2 between steps; each full
+    block's state stays in the prefix cache, and a hit of k blocks needs only block k - 1."""
+    s = group_seqs(specs=(FULL, STATE))
+    mgr = s.mgr
+    admit(s, "a", toks(40))  # the next token reads the state after token 39: block 2's
+    assert tables(s, "a") == [[0, 1, 2], [None, None, 5]]
+    assert mgr.pool.blocks[3].ref_count == 0 and mgr.pool.blocks[3].cache_key is not None  # the state at 16
+    for t in range(40, 49):
+        step(s, "a", t)
+        assert len(mgr._tables["a"][1].resident) <= 2
+    # token 48 began block 3 in each group; the state group then let block 2 (the state at 48) go
+    assert tables(s, "a") == [[0, 1, 2, 6], [None, None, None, 7]]
+    assert mgr.stats().group_blocks == [4, 1]
+    s.free("a")
+    hits = mgr._look_up(toks(40) + toks(20, start=900), None)  # the first 40 tokens again: 2 full blocks
+    assert [(p.num_tokens, p.released, p.block_ids) for p in hits] == [(32, 0, [0, 1]), (32, 1, [None, 4])]
     finish(s)

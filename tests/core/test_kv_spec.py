@@ -10,6 +10,7 @@ from kvpage.core.kv_spec import (
     FULL,
     ChunkedLocal,
     KVGroup,
+    RecurrentState,
     SlidingWindow,
     group_layers,
     layer_specs,
@@ -29,11 +30,13 @@ def reads(spec, q: int, k: int) -> bool:
         return k > q - spec.window
     if isinstance(spec, ChunkedLocal):
         return k // spec.chunk == q // spec.chunk
+    if isinstance(spec, RecurrentState):  # the state left by the token before (its block), and its own
+        return k >= q - 1
     return True
 
 
 SPECS = [FULL, SlidingWindow(1), SlidingWindow(5), SlidingWindow(16), SlidingWindow(32), SlidingWindow(33),
-         ChunkedLocal(4), ChunkedLocal(16), ChunkedLocal(24)]  # fmt: skip
+         ChunkedLocal(4), ChunkedLocal(16), ChunkedLocal(24), RecurrentState()]  # fmt: skip
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=repr)
@@ -64,6 +67,10 @@ def test_exact_values():
     assert [c.first_visible(p) for p in (0, 31, 32, 63, 64)] == [0, 0, 32, 32, 64]
     assert [num_releasable(c, n, 16) for n in (31, 32, 63, 64)] == [0, 2, 2, 4]
     assert needed_from(FULL, 1000, 16) == 0 and needed_from(w, 64, 16) == 2
+    r = RecurrentState()  # block i holds the state after block i's last token written
+    assert [num_releasable(r, n, 16) for n in (0, 1, 16, 17, 32, 33)] == [0, 0, 0, 1, 1, 2]
+    assert [needed_from(r, k * 16, 16) for k in range(4)] == [0, 0, 1, 2] and max_live_blocks(r, 16) == 2
+    assert longest_hit(r, [False, True, False, False], 16) == 2  # block 1: the state after 32 tokens
 
 
 def test_bad_specs_name_their_value():
@@ -143,8 +150,9 @@ def test_layer_specs_from_config_facts():
         layer_specs(4, layer_types=types)
     with pytest.raises(ValueError, match="sets no sliding_window"):
         layer_specs(1, layer_types=["sliding_attention"])
-    with pytest.raises(ValueError, match="'linear_attention' is not supported"):
-        layer_specs(1, layer_types=["linear_attention"])
+    assert layer_specs(2, layer_types=["linear_attention", "full_attention"]) == (RecurrentState(), FULL)
+    with pytest.raises(ValueError, match="'moe_attention' is not supported"):
+        layer_specs(1, layer_types=["moe_attention"])
 
 
 def test_a_groups_digests_are_its_own_and_group_zero_keeps_the_one_group_digests():

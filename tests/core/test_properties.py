@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvpage.core import AdmissionStatus, KVCacheManager
 from kvpage.core.eviction import H2O, Demote, EvictionWindows, StreamingLLM
-from kvpage.core.kv_spec import FULL, ChunkedLocal, SlidingWindow, needed_from
+from kvpage.core.kv_spec import FULL, ChunkedLocal, RecurrentState, SlidingWindow, needed_from
 from kvpage.core.segments import segment_spans
 from tests.core.kv_memory import KVMemory
 
@@ -748,6 +748,8 @@ class GroupedManagerMachine(WindowedManagerMachine):
                 (FULL, ChunkedLocal(2)),
                 (FULL, SlidingWindow(6), SlidingWindow(6)),
                 (FULL, SlidingWindow(1), ChunkedLocal(5)),
+                (FULL, RecurrentState()),
+                (FULL, SlidingWindow(3), RecurrentState()),
             ]
         ),  # fmt: skip
     )
