@@ -23,7 +23,7 @@ SUPPORTED_ARCHITECTURES = (
     "gpt_oss",
     "bamba",
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "factors")  # factors: a GGUF's rope_freqs
 ROUTERS = ("softmax", "sigmoid", "topk_softmax")
 
 

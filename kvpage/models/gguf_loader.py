@@ -44,14 +44,22 @@ _LAYER_NAMES = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
     "attn_sinks": "self_attn.sinks",
+    # Llama 4's shared expert
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "qwen3moe": "qwen3_moe",
-                  "gpt-oss": "gpt_oss", "smollm3": "smollm3", "cohere2": "cohere2"}  # fmt: skip
+                  "gpt-oss": "gpt_oss", "smollm3": "smollm3", "cohere2": "cohere2",
+                  "llama4": "llama4_text"}  # fmt: skip
 # llama.cpp's converter permutes q and k rows of these (LLaMA's, and SmolLM3's, a LLaMA to it)
 _PERMUTED_QK = ("llama", "smollm3")
 # what llama.cpp's GGUFs of these families leave to its code: SmolLM3 drops RoPE on every 4th layer,
 # Cohere 2 slides on three layers of four (the fourth global, NoPE)
 SMOLLM3_NOPE_EVERY, COHERE2_PATTERN = 4, 4
+# ... and Llama 4 chunks of 8,192 tokens on three layers of four (the fourth NoPE, its queries scaled with a
+# floor of 8,192 tokens and a strength of 0.1), q/k norms but on its 128-expert model
+LLAMA4_CHUNK, LLAMA4_NOPE_EVERY, LLAMA4_TEMPERATURE = 8192, 4, (8192.0, 0.1)
 _ARCH_LAYER_NAMES = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},  # Phi-3's ffn_up holds gate and up, fused
     "gpt_oss": {"post_attention_norm": "post_attention_layernorm"},  # (its norm before the mixture)
@@ -143,6 +151,8 @@ def _family(arch: str, meta: dict[str, Any], tensor_names: set[str], n: int) -> 
         out |= dict(layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding),
                     rope_layers=sliding, layer_norm=True, parallel_block=True, rope_interleaved=True,
                     logit_scale=float(meta.get(f"{arch}.logit_scale", 0.0625)))  # fmt: skip
+    if arch == "llama4":
+        out |= _llama4(meta, tensor_names, n)
     if arch in ("qwen3moe", "gpt-oss"):
         on = tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(n))
         common = dict(num_experts=int(meta[f"{arch}.expert_count"]), top_k=int(meta[f"{arch}.expert_used_count"]),
@@ -165,6 +175,23 @@ def _family(arch: str, meta: dict[str, Any], tensor_names: set[str], n: int) -> 
                 "beta_slow": float(meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)), "truncate": False,
             }  # fmt: skip
     return out
+
+
+def _llama4(meta: dict[str, Any], tensor_names: set[str], n: int) -> dict[str, Any]:
+    """Llama 4's layout as llama.cpp derives it (its GGUFs carry the mixture's sizes and step only); a window
+    of 0 means no chunks and RoPE on every layer (MobileLLM)."""
+    experts = int(meta.get("llama4.expert_count", 0))
+    chunked = meta.get("llama4.attention.sliding_window", LLAMA4_CHUNK) != 0
+    rope = tuple((i + 1) % LLAMA4_NOPE_EVERY != 0 or not chunked for i in range(n))
+    on = tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(n))
+    size = int(meta.get("llama4.expert_feed_forward_length", 0))
+    moe = MoE(experts, int(meta["llama4.expert_used_count"]), size, layers=None if all(on) else on,
+              router="sigmoid", shared_intermediate_size=size) if experts else None  # fmt: skip
+    return dict(
+        layer_types=tuple("chunked_attention" if r else "full_attention" for r in rope) if chunked else None,
+        attention_chunk_size=LLAMA4_CHUNK if chunked else None, rope_layers=rope, rope_interleaved=True,
+        qk_l2_norm=experts != 128, attn_temperature=LLAMA4_TEMPERATURE if chunked else None, moe=moe,
+    )  # fmt: skip
 
 
 def _join_experts(weights: dict[str, np.ndarray], cfg: ModelConfig) -> None:
@@ -214,6 +241,10 @@ def _read(path: Path, keep_blocks: bool):
     weights: dict[str, np.ndarray] = {}
     types: dict[str, str] = {}
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # llama3-scaled RoPE (Llama 3.1+, Llama 4): each frequency's divisor
+            factors = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)
+            cfg.rope_scaling = {"rope_type": "factors", "factors": [float(f) for f in factors]}
+            continue
         name = hf_name(t.name, cfg.architecture)
         keep = keep_blocks and t.tensor_type != GGMLQuantizationType.F32 and t.data.ndim == 2
         try:  # kept blocks are checked on their first row: a type gguf cannot read fails here, not at load

@@ -68,6 +68,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         inv_freq = torch.where(medium, smoothed, scaled)
     elif rope_type == "yarn":
         inv_freq = _yarn(inv_freq, cfg, scaling)
+    elif rope_type == "factors":  # (each frequency's divisor, as a GGUF's rope_freqs holds llama3's scaling)
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32, device="cpu")
     return inv_freq
 
 

@@ -212,10 +212,10 @@ def test_in_batch_prefix_hit_matches_transformers(pair):
     assert_pool_clean(mgr)
 
 
-# llama.cpp's architectures for these families (its Mistral GGUFs carry no window; llama3 RoPE is a tensor;
-# SmolLM3's NoPE layers and Qwen2's windows are not read from a GGUF yet)
+# llama.cpp's architectures for these families (its Mistral GGUFs carry no window, Qwen2's windows neither; its
+# SmolLM3, Cohere 2 and Llama 4 layouts are its constants: test_families_whose_layout_llama_cpp_fixes_...)
 GGUF_CASES = {"llama-mha", "llama-mqa", "qwen2-bias", "qwen3-qk-norm", "rope-linear", "phi3-fused", "qwen3-moe",
-              "gpt-oss"}  # fmt: skip
+              "gpt-oss", "rope-llama3"}  # fmt: skip
 
 
 @pytest.mark.same_on_every_kind  # the loader's part
@@ -230,9 +230,15 @@ def test_the_same_model_written_as_gguf_loads_the_same_model(pair, tmp_path):
     write_gguf_of(Path(ours.source), tmp_path / "model.gguf")
     from_gguf = load_model(str(tmp_path / "model.gguf"), dtype="float32", use_cache=False)
     for field in ("architecture", "num_heads", "num_kv_heads", "head_dim", "attention_bias", "qk_norm",
-                  "tie_word_embeddings", "rope_theta", "rope_scaling", "sliding_window", "layer_types",
-                  "attn_sinks", "o_proj_bias"):  # fmt: skip
+                  "tie_word_embeddings", "rope_theta", "sliding_window", "layer_types", "attn_sinks",
+                  "o_proj_bias"):  # fmt: skip
         assert getattr(from_gguf.config, field) == getattr(ours.config, field), field
+    # llama3's RoPE scaling is a tensor there (rope_freqs: each frequency's divisor): the same frequencies
+    if name == "rope-llama3":
+        assert from_gguf.config.rope_scaling["rope_type"] == "factors"
+        torch.testing.assert_close(from_gguf.model.rotary.inv_freq, ours.model.rotary.inv_freq, rtol=1e-6, atol=0)
+    else:
+        assert from_gguf.config.rope_scaling == ours.config.rope_scaling
     # (a GGUF carries no SwiGLU clamp for gpt-oss: llama.cpp's constant, where the test's model clamps lower)
     from kvpage.models.gguf_loader import GPT_OSS_SWIGLU
 
@@ -271,6 +277,32 @@ def test_families_whose_layout_llama_cpp_fixes_load_from_gguf(family, tmp_path):
     for field in ("architecture", "rope_layers", "layer_types", "sliding_window", "layer_norm", "parallel_block",
                   "rope_interleaved", "logit_scale", "rope_theta", "tie_word_embeddings"):  # fmt: skip
         assert getattr(from_gguf.config, field) == getattr(read, field) == getattr(ours.config, field), field
+    a, b = dict(ours.model.named_parameters()), dict(from_gguf.model.named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.same_on_every_kind  # the loader's part
+def test_llama4_loads_from_gguf_with_llama_cpps_constants(tmp_path):
+    """llama.cpp's Llama 4 GGUFs carry the mixture's sizes and step, and llama3's RoPE as a tensor; the chunk
+    (8,192), the NoPE interval (4) and the temperature (8,192, 0.1) are its constants: a four-layer model with
+    transformers' defaults for those loads as the same config, frequencies and weights."""
+    import transformers
+
+    from tests.models.tiny_gguf import write_gguf_of
+
+    cfg = transformers.Llama4TextConfig(**(SMALL | CASES["llama4"][1] | {
+        "num_hidden_layers": 4, "attention_chunk_size": 8192, "floor_scale": 8192, "attn_scale": 0.1,
+        "no_rope_layer_interval": 4, "moe_layers": None, "interleave_moe_layer_step": 2}))  # fmt: skip
+    torch.manual_seed(0)
+    transformers.Llama4ForCausalLM(cfg).save_pretrained(tmp_path)
+    write_gguf_of(tmp_path, tmp_path / "model.gguf")
+    ours = load_model(str(tmp_path), dtype="float32")
+    from_gguf = load_model(str(tmp_path / "model.gguf"), dtype="float32", use_cache=False)
+    assert ours.config.layer_types == ("chunked_attention",) * 3 + ("full_attention",)
+    for field in ("architecture", "layer_types", "attention_chunk_size", "rope_layers", "rope_interleaved",
+                  "qk_l2_norm", "attn_temperature", "moe", "intermediate_size", "rope_theta"):  # fmt: skip
+        assert getattr(from_gguf.config, field) == getattr(ours.config, field), field
+    torch.testing.assert_close(from_gguf.model.rotary.inv_freq, ours.model.rotary.inv_freq, rtol=1e-6, atol=0)
     a, b = dict(ours.model.named_parameters()), dict(from_gguf.model.named_parameters())
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

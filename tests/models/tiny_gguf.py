@@ -101,7 +101,32 @@ def write_tiny_llama(path: Path, types: dict[str, Q], *, tied: bool = False, see
     w.close()
 
 
-LLAMA_CPP_ARCH = {"qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}  # transformers' model_type -> llama.cpp's
+LLAMA_CPP_ARCH = {"qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss", "llama4_text": "llama4"}  # model_type -> llama.cpp's
+
+
+def rope_factors(hf: dict) -> np.ndarray | None:
+    """llama.cpp's `rope_freqs` for a llama3-scaled RoPE: each frequency's divisor, as its converter works
+    them out (1 above the high-frequency wavelength, the factor below the low one, smoothed between)."""
+    import math
+
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type") != "llama3":
+        return None
+    dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope["factor"], rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def _experts(tensors: dict[str, np.ndarray], arch: str) -> dict[str, np.ndarray]:
@@ -123,6 +148,15 @@ def _experts(tensors: dict[str, np.ndarray], arch: str) -> dict[str, np.ndarray]
             out[base + "gate_proj_bias"], out[base + "up_proj_bias"] = t[:, 0::2], t[:, 1::2]
         elif arch == "gpt_oss" and name.endswith("experts.down_proj"):
             out[name] = t.transpose(0, 2, 1)
+        elif arch == "llama4_text" and ".feed_forward." in name:  # (its stacked experts [E, in, out], gate | up)
+            name = name.replace(".feed_forward.", ".mlp.").replace(".mlp.router.", ".mlp.gate.")
+            if name.endswith("experts.gate_up_proj"):
+                t = t.transpose(0, 2, 1)
+                half = t.shape[1] // 2
+                base = name.removesuffix("gate_up_proj")
+                out[base + "gate_proj"], out[base + "up_proj"] = t[:, :half], t[:, half:]
+            else:
+                out[name] = t.transpose(0, 2, 1) if name.endswith("experts.down_proj") else t
         else:
             out[name] = t
     for (layer, proj), by_expert in per_expert.items():
@@ -143,14 +177,16 @@ def write_gguf_of(hf_dir: Path, path: Path, expert_type: Q = Q.F32) -> None:
 
     hf = json.loads((hf_dir / "config.json").read_text())
     arch = hf["model_type"]
-    assert arch in ("llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "gpt_oss", "smollm3", "cohere2"), arch
+    assert arch in ("llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "gpt_oss", "smollm3", "cohere2", "llama4_text"), (
+        arch
+    )
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     kv_heads = hf.get("num_key_value_heads") or heads
     w = GGUFWriter(str(path), LLAMA_CPP_ARCH.get(arch, arch))
     w.add_block_count(hf["num_hidden_layers"])
     w.add_context_length(hf["max_position_embeddings"])
     w.add_embedding_length(hidden)
-    w.add_feed_forward_length(hf["intermediate_size"])
+    w.add_feed_forward_length(hf.get("intermediate_size_mlp") or hf["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_key_length(hf.get("head_dim") or hidden // heads)
@@ -171,7 +207,9 @@ def write_gguf_of(hf_dir: Path, path: Path, expert_type: Q = Q.F32) -> None:
         w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
     if arch in ("phi3", "gpt_oss", "cohere2") and hf.get("sliding_window"):
         w.add_sliding_window(hf["sliding_window"])
-    if arch in ("qwen3_moe", "gpt_oss"):
+    if arch == "llama4_text":
+        w.add_interleave_moe_layer_step(hf["interleave_moe_layer_step"])
+    if arch in ("qwen3_moe", "gpt_oss", "llama4_text"):
         w.add_expert_count(hf.get("num_experts") or hf["num_local_experts"])
         w.add_expert_used_count(hf["num_experts_per_tok"])
         w.add_expert_feed_forward_length(hf.get("moe_intermediate_size") or hf["intermediate_size"])
@@ -206,6 +244,9 @@ def write_gguf_of(hf_dir: Path, path: Path, expert_type: Q = Q.F32) -> None:
             w.add_tensor(out, quantize(np.ascontiguousarray(t), expert_type), raw_dtype=expert_type)
             continue
         w.add_tensor(out, np.ascontiguousarray(t))
+    factors = rope_factors(hf)
+    if factors is not None:
+        w.add_tensor("rope_freqs.weight", factors)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
