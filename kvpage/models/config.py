@@ -336,6 +336,20 @@ class ModelConfig:
         )
 
 
+def _rope(hf: dict[str, Any], default_theta: float, refuse_scaled: str | None = None) -> tuple[float, dict | None]:
+    """(RoPE base, its scaling or None) from a config's rope_parameters or rope_scaling; a family that has no
+    scaled RoPE (`refuse_scaled` names it) refuses one."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", None) or hf.get("rope_theta") or default_theta
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return float(theta), None
+    if refuse_scaled:
+        raise ValueError(f"{refuse_scaled} with a scaled RoPE is not supported")
+    rope.setdefault("rope_type", kind)
+    return float(theta), rope
+
+
 def _shape(hf: dict[str, Any], **defaults) -> dict[str, Any]:
     """The ModelConfig fields every family reads from config.json alike (`defaults`: the family's
     transformers defaults for the keys a config may leave out)."""
@@ -409,13 +423,11 @@ def _cohere2(cls, hf: dict[str, Any]) -> ModelConfig:
     n = hf["num_hidden_layers"]
     pattern = hf.get("sliding_window_pattern", 4)
     types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
-    rope = dict(hf.get("rope_parameters") or {})
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError("Cohere 2 with a scaled RoPE is not supported")
+    theta, _ = _rope(hf, 10000.0, refuse_scaled="Cohere 2")
     shape = _shape(hf, max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=5, eos_token_id=255001)
     return cls(
         **(shape | {"rms_norm_eps": hf.get("layer_norm_eps", 1e-5)}),
-        rope_theta=float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0),
+        rope_theta=theta,
         attention_bias=bool(hf.get("attention_bias", False)),
         architecture="cohere2",
         sliding_window=hf.get("sliding_window") if "sliding_attention" in types else None,
@@ -437,11 +449,7 @@ def _llama4(cls, hf: dict[str, Any]) -> ModelConfig:
     rope_flags = hf.get("no_rope_layers") or [int((i + 1) % hf.get("no_rope_layer_interval", 4) != 0) for i in range(n)]
     chunk = hf.get("attention_chunk_size", 8192)
     types = hf.get("layer_types") or ["chunked_attention" if r and chunk else "full_attention" for r in rope_flags]
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", None) or hf.get("rope_theta") or 500_000.0
-    scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-    if scaling is not None:
-        scaling.setdefault("rope_type", scaling.get("type"))
+    theta, scaling = _rope(hf, 500_000.0)
     step = hf.get("interleave_moe_layer_step", 1)
     moe_layers = set(hf["moe_layers"] if hf.get("moe_layers") is not None else range(step - 1, n, step))
     experts = hf.get("num_local_experts", 16)
@@ -460,7 +468,7 @@ def _llama4(cls, hf: dict[str, Any]) -> ModelConfig:
                 "rms_norm_eps": hf.get("rms_norm_eps", 1e-5),
             }
         ),
-        rope_theta=float(theta),
+        rope_theta=theta,
         rope_scaling=scaling,
         attention_bias=bool(hf.get("attention_bias", False)),
         architecture="llama4_text",
@@ -481,11 +489,7 @@ def _gpt_oss(cls, hf: dict[str, Any]) -> ModelConfig:
     on q/k/v/o, YaRN-scaled RoPE, and on every layer a mixture of experts with biases and a clamped SwiGLU."""
     n = hf["num_hidden_layers"]
     types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", None) or hf.get("rope_theta") or 150_000.0
-    scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-    if scaling is not None:
-        scaling.setdefault("rope_type", scaling.get("type"))
+    theta, scaling = _rope(hf, 150_000.0)
     moe = MoE(hf.get("num_local_experts", 128), hf.get("num_experts_per_tok", 4), hf["intermediate_size"],
               router="topk_softmax", bias=True,
               swiglu=(float(hf.get("swiglu_alpha", 1.702)), float(hf.get("swiglu_limit", 7.0))))  # fmt: skip
@@ -493,7 +497,7 @@ def _gpt_oss(cls, hf: dict[str, Any]) -> ModelConfig:
                    eos_token_id=None)  # fmt: skip
     return cls(
         **(shape | {"rms_norm_eps": hf.get("rms_norm_eps", 1e-5)}),
-        rope_theta=float(theta),
+        rope_theta=theta,
         rope_scaling=scaling,
         attention_bias=bool(hf.get("attention_bias", True)),
         architecture="gpt_oss",
@@ -519,20 +523,18 @@ def _bamba(cls, hf: dict[str, Any]) -> ModelConfig:
     mamba = Mamba(heads, head_dim, hf.get("mamba_n_groups", 1), hf.get("mamba_d_state", 256), hf.get("mamba_d_conv", 4),
                   bool(hf.get("mamba_conv_bias", True)), bool(hf.get("mamba_proj_bias", False)),
                   (float(limit[0]), float(limit[1])))  # fmt: skip
-    rope = dict(hf.get("rope_parameters") or {})
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError("Bamba with a scaled RoPE is not supported")
+    theta, _ = _rope(hf, 10000.0, refuse_scaled="Bamba")
     if hf.get("mlp_bias"):
         raise ValueError("models with MLP biases (mlp_bias=true) are not supported")
     shape = _shape(hf, max_position_embeddings=262_144, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     return cls(
         **(shape | {"rms_norm_eps": hf.get("rms_norm_eps", 1e-5)}),
-        rope_theta=float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0),
+        rope_theta=theta,
         attention_bias=bool(hf.get("attention_bias", False)),
         architecture="bamba",
         layer_types=types,
         mamba=mamba,
-        rotary_dim=int(shape["head_dim"] * float(rope.get("partial_rotary_factor", 0.5))),
+        rotary_dim=int(shape["head_dim"] * float((hf.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5))),
     )
 
 

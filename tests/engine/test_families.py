@@ -12,7 +12,7 @@ import torch
 
 from kvpage import LLM, BeamSearchParams, SamplingParams
 from tests.engine.helpers import assert_clean
-from tests.engine.test_sliding_window import PROMPTS, _want
+from tests.engine.test_sliding_window import PROMPTS, _want, _want_beams, greedy_recording
 
 W, BS = 32, 16
 SHAPE = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -54,37 +54,11 @@ def test_a_family_through_the_engine_equals_transformers_under_preemption_beams_
     kw = dict(swap_space="16MiB") if mode == "swap" else {}
     llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=blocks, block_size=BS, max_num_batched_tokens=24,
               preemption_mode=mode, **kw)  # fmt: skip
-    engine = llm.llm_engine
-    step = engine.step
-
-    def checked_step():
-        out = step()
-        engine.scheduler.check_invariants()  # (every group's tables, each window's bound)
-        return out
-
-    engine.step = checked_step
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    try:
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    finally:
-        engine.step = step
+    got = greedy_recording(llm, 24)  # (every group's invariants after every step)
     assert got == [_want(hf, p, 24) for p in PROMPTS]
-    assert engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.scheduler.num_preemptions > 0
     (beams,) = llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=2, max_tokens=6))
-    with torch.no_grad():
-        ids = torch.tensor([PROMPTS[0]])
-        want = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            num_beams=2,
-            num_return_sequences=2,
-            do_sample=False,
-            max_new_tokens=6,
-            eos_token_id=None,
-            pad_token_id=0,
-            length_penalty=1.0,
-        )
-    assert [c.token_ids for c in beams.outputs] == want[:, len(PROMPTS[0]) :].tolist()
+    assert [c.token_ids for c in beams.outputs] == _want_beams(hf, PROMPTS[0], 2, 6)
     samples = llm.generate([PROMPTS[2]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8), use_tqdm=False)
     assert len({tuple(c.token_ids) for c in samples[0].outputs}) > 1
     assert_clean(llm)

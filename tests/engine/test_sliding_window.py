@@ -34,6 +34,65 @@ def mistral(tmp_path_factory, smollm2):
     return str(path), hf
 
 
+def _want_beams(hf, prompt: list[int], width: int, n: int) -> list[list[int]]:
+    """transformers' `width` beams of `n` new tokens each on the same weights (no length penalty)."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            num_beams=width,
+            num_return_sequences=width,
+            do_sample=False,
+            max_new_tokens=n,
+            eos_token_id=None,
+            pad_token_id=0,
+            length_penalty=1.0,
+        )
+    return out[:, len(prompt) :].tolist()
+
+
+def greedy_recording(llm, max_tokens: int, record=None) -> list[list[int]]:
+    """Greedy tokens of PROMPTS (ignoring EOS), the scheduler's invariants checked after every step (every
+    group's tables, each window's bound) and `record(engine)` called then."""
+    engine = llm.llm_engine
+    step = engine.step
+
+    def checked_step():
+        out = step()
+        engine.scheduler.check_invariants()
+        if record is not None:
+            record(engine)
+        return out
+
+    engine.step = checked_step
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        engine.step = step
+
+
+def held_blocks(engine, held: list[int], groups=slice(1, None)) -> None:
+    """Into `held`: how many blocks each later group's table holds for each running sequence with no slot
+    ahead of its tokens (between steps: what a window, chunk or state keeps)."""
+    kv = engine.kv_manager
+    for req in engine.scheduler.running:
+        held.extend(len(t.resident) for s in req.live_sequences if kv.num_tokens(s.key) == s.num_computed
+                    for t in kv._tables_of(s.key)[groups])  # fmt: skip
+
+
+def saved_hf(path, tokenizer, model_cls: str, cfg) -> tuple[str, object]:
+    """transformers' own random `model_cls` of `cfg` (seed 0), saved in `path` with `tokenizer`: (path, model)."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf = getattr(transformers, model_cls)(cfg).eval()
+    hf.save_pretrained(path)
+    tokenizer.save(path)
+    return str(path), hf
+
+
 def _want(hf, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -164,12 +223,7 @@ def gemma3(tmp_path_factory, smollm2):
         layer_types=["sliding_attention"] * 5 + ["full_attention"], initializer_range=0.3, bos_token_id=1,
         eos_token_id=2, pad_token_id=0,
     )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.Gemma3ForCausalLM(cfg).eval()
-    path = tmp_path_factory.mktemp("gemma3")
-    hf.save_pretrained(path)
-    smollm2.tokenizer.save(path)
-    return str(path), hf
+    return saved_hf(tmp_path_factory.mktemp("gemma3"), smollm2.tokenizer, "Gemma3ForCausalLM", cfg)
 
 
 def test_gemma3_five_windows_to_one_global_layer_equal_transformers_in_a_tiny_pool(gemma3):
@@ -220,20 +274,7 @@ def test_gemma3_beams_and_samples_fork_every_group(gemma3):
     path, hf = gemma3
     llm = LLM(path, dtype="float32", num_kv_blocks=96, block_size=BS)
     (beams,) = llm.beam_search([PROMPTS[2]], BeamSearchParams(beam_width=3, max_tokens=10))
-    with torch.no_grad():
-        ids = torch.tensor([PROMPTS[2]])
-        want = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            num_beams=3,
-            num_return_sequences=3,
-            do_sample=False,
-            max_new_tokens=10,
-            eos_token_id=None,
-            pad_token_id=0,
-            length_penalty=1.0,
-        )
-    assert [c.token_ids for c in beams.outputs] == want[:, len(PROMPTS[2]) :].tolist()
+    assert [c.token_ids for c in beams.outputs] == _want_beams(hf, PROMPTS[2], 3, 10)
     samples = llm.generate([PROMPTS[1]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12), use_tqdm=False)
     assert len({tuple(c.token_ids) for c in samples[0].outputs}) > 1
     assert_clean(llm)
@@ -252,12 +293,7 @@ def llama4(tmp_path_factory, smollm2):
         interleave_moe_layer_step=2, floor_scale=16, attn_scale=0.5, max_position_embeddings=4096,
         initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.Llama4ForCausalLM(cfg).eval()
-    path = tmp_path_factory.mktemp("llama4")
-    hf.save_pretrained(path)
-    smollm2.tokenizer.save(path)
-    return str(path), hf
+    return saved_hf(tmp_path_factory.mktemp("llama4"), smollm2.tokenizer, "Llama4ForCausalLM", cfg)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -271,24 +307,11 @@ def test_llama4_chunked_layers_equal_transformers_in_a_tiny_pool(llama4, mode):
     engine, kv = llm.llm_engine, llm.llm_engine.kv_manager
     assert kv.specs == (FULL,) + (ChunkedLocal(W),) * 3 and engine.kv_cache.layer_groups == [1, 2, 3, 0]
     assert [layer.chunk for layer in engine.kv_cache.layers] == [W, W, W, 0]
-    held, step = [], engine.step
-
-    def recording_step():
-        out = step()
-        engine.scheduler.check_invariants()
-        for req in engine.scheduler.running:
-            held.extend(len(t.resident) for s in req.live_sequences if kv.num_tokens(s.key) == s.num_computed
-                        for t in kv._tables_of(s.key)[1:])  # fmt: skip
-        return out
-
-    engine.step = recording_step
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    try:
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    finally:
-        engine.step = step
+    held: list[int] = []
+    got = greedy_recording(llm, 40, lambda e: held_blocks(e, held))
     assert got == [_want(hf, p, 40) for p in PROMPTS]
     assert engine.scheduler.num_preemptions > 0 and max(held) == max_live_blocks(ChunkedLocal(W), BS) == 2
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     # the prompt alone (90 tokens), then again: its 5 full blocks hit in the global group, block 4 in each
     # chunked one (a query at 80 reads its chunk from 64; blocks 0-3 were released behind it)
     llm.reset_prefix_cache()

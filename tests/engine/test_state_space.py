@@ -16,7 +16,7 @@ from kvpage.core.scheduler_output import SchedulerOutput
 from kvpage.errors import ParameterError
 from kvpage.models import load_model
 from tests.engine.helpers import assert_clean
-from tests.engine.test_sliding_window import PROMPTS, _want
+from tests.engine.test_sliding_window import PROMPTS, _want, _want_beams, greedy_recording, held_blocks, saved_hf
 from tests.worker.driver import assert_pool_clean, entry, make_runner
 
 BS = 16
@@ -33,12 +33,7 @@ def bamba(tmp_path_factory, smollm2):
         num_key_value_heads=2, attn_layer_indices=[1, 3], mamba_n_heads=4, mamba_n_groups=1, mamba_d_state=4,
         mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, initializer_range=0.3, max_position_embeddings=4096,
     )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.BambaForCausalLM(cfg).eval()
-    path = tmp_path_factory.mktemp("bamba")
-    hf.save_pretrained(path)
-    smollm2.tokenizer.save(path)
-    return str(path), hf
+    return saved_hf(tmp_path_factory.mktemp("bamba"), smollm2.tokenizer, "BambaForCausalLM", cfg)
 
 
 def test_a_ragged_batch_equals_transformers(bamba):
@@ -79,23 +74,10 @@ def test_greedy_hits_beams_and_samples_equal_transformers_in_a_tiny_pool(bamba, 
               preemption_mode=mode, **kw)  # fmt: skip
     engine, kv = llm.llm_engine, llm.llm_engine.kv_manager
     assert kv.specs == (FULL, RecurrentState())
-    held, step = [], engine.step
-
-    def recording_step():
-        out = step()
-        engine.scheduler.check_invariants()  # (every group's tables; the state group's bound)
-        for req in engine.scheduler.running:  # the state group of a sequence with no slot ahead of its tokens
-            held.extend(len(kv._tables_of(s.key)[1].resident) for s in req.live_sequences
-                        if kv.num_tokens(s.key) == s.num_computed)  # fmt: skip
-        return out
-
-    engine.step = recording_step
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    try:
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    finally:
-        engine.step = step
+    held: list[int] = []
+    got = greedy_recording(llm, 24, lambda e: held_blocks(e, held))  # (every group's invariants too)
     assert got == [_want(hf, p, 24) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     # between steps a sequence's state group holds one block, its running state, whatever its length (a
     # step adds the block it writes: max_live_blocks)
     assert engine.scheduler.num_preemptions > 0 and set(held) == {1} and max_live_blocks(RecurrentState(), BS) == 2
@@ -105,20 +87,7 @@ def test_greedy_hits_beams_and_samples_equal_transformers_in_a_tiny_pool(bamba, 
     again = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0]
     assert again.num_cached_tokens == 80 and list(again.outputs[0].token_ids) == got[1]
     (beams,) = llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=2, max_tokens=6))
-    with torch.no_grad():
-        ids = torch.tensor([PROMPTS[0]])
-        want = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            num_beams=2,
-            num_return_sequences=2,
-            do_sample=False,
-            max_new_tokens=6,
-            eos_token_id=None,
-            pad_token_id=0,
-            length_penalty=1.0,
-        )
-    assert [c.token_ids for c in beams.outputs] == want[:, len(PROMPTS[0]) :].tolist()
+    assert [c.token_ids for c in beams.outputs] == _want_beams(hf, PROMPTS[0], 2, 6)
     samples = llm.generate([PROMPTS[2]], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8), use_tqdm=False)
     assert len({tuple(c.token_ids) for c in samples[0].outputs}) > 1
     assert_clean(llm)
