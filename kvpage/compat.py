@@ -179,6 +179,13 @@ REFUSALS: tuple[Refusal, ...] = (
             lambda s: "a prompt of segments does not go with state-space layers: a state cannot be re-positioned"),
     Refusal(DETERMINISTIC, STATE_LAYERS, "deterministic",
             _det(lambda s: "a model of state-space layers: its mixers are not batch-invariant kernels yet")),
+    Refusal(CPU_OFFLOAD, STATE_LAYERS, "cpu_offload_memory",
+            lambda s: "cpu_offload_memory does not go with state-space layers yet (a model of no attention "
+                      "layers included: its one group holds states, not KV)"),
+    Refusal(REMOTE_KV, STATE_LAYERS, "remote_kv",
+            lambda s: "remote_kv does not go with state-space layers yet: the shared tier keeps KV blocks"),
+    Refusal(VERIFY_KV, STATE_LAYERS, "verify_kv_every",
+            lambda s: "verify_kv_every does not go with state-space layers yet: the check recomputes KV"),
     Refusal(CPU_OFFLOAD, GROUPS, "cpu_offload_memory",
             lambda s: f"cpu_offload_memory does not go with a model of {s.kv_groups} KV-cache groups (layers of "
                       "mixed kinds) yet: the CPU tier keeps one group's blocks"),

@@ -252,7 +252,9 @@ class PrefixRegistry:
         """The leading tokens of the block after the full hits, if a registered GPU block holds them
         (never the prompt's last token, whose logits must be computed). In a prompt's first block at
         least half a block must match: every chat prompt starts with the same few template tokens,
-        and a copy for those would save nothing worth a block (and call every new prompt cached)."""
+        and a copy for those would save nothing worth a block (and call every new prompt cached). A state
+        group's block (kv_spec.RecurrentState) holds the state after its last token only: a partial hit
+        there must take every token it holds."""
         bs, i = self.block_size, len(prefix.block_ids)
         end = min((i + 1) * bs, len(token_ids) - 1)
         if end <= i * bs:
@@ -261,6 +263,12 @@ class PrefixRegistry:
         unwritten = self.ledger.unwritten_ids()  # their KV is written by the step being scheduled
         found = self.cache.partial(parent, tuple(token_ids[i * bs : end]), extra_keys_for(i, prefix.cache_salt),  # type: ignore[union-attr]
                                    unwritten)  # fmt: skip
+        if (
+            found is not None
+            and any(spec.kind == "state" for spec in self.specs)
+            and found[1] != len(found[0].cache_key.token_ids)
+        ):  # type: ignore[union-attr]
+            found = None  # (a state block holds the state after its last token: a hit takes it all or nothing)
         if found is not None and (i or 2 * found[1] >= bs):
             block, n = found
             prefix.partial = PartialHit(block.block_id, block.cache_key.digest, n)  # type: ignore[union-attr]

@@ -100,8 +100,38 @@ def test_what_does_not_hold_the_state_names_its_field(bamba):
         (dict(kv_cache_dtype="int8"), "kv_cache_dtype", "state-space"),
         (dict(weight_dtype="int8"), "weight_dtype", "state-space"),
         (dict(kv_eviction="streaming"), "kv_eviction", "state-space"),
-        (dict(cpu_offload_memory="1MiB"), "cpu_offload_memory", "2 KV-cache groups"),
+        (dict(cpu_offload_memory="1MiB"), "cpu_offload_memory", "state-space"),
+        (dict(verify_kv_every=4), "verify_kv_every", "state-space"),
     ):
         with pytest.raises(ParameterError) as e:
             LLM(path, dtype="float32", num_kv_blocks=16, **kw)
         assert e.value.param == field and words in str(e.value), (field, str(e.value))
+
+
+def test_a_model_of_state_space_layers_only_is_one_state_group(tmp_path, smollm2):
+    """No attention layer at all (a Mamba-2 stack): one KV-cache group, of states; greedy tokens and a hit
+    resuming from a snapshot equal transformers', the pool free at the end."""
+    import transformers
+
+    cfg = transformers.BambaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_indices=[], mamba_n_heads=4, mamba_n_groups=1, mamba_d_state=4,
+        mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, initializer_range=0.3, max_position_embeddings=4096,
+    )  # fmt: skip
+    path, hf = saved_hf(tmp_path, smollm2.tokenizer, "BambaForCausalLM", cfg)
+    llm = LLM(path, dtype="float32", num_kv_blocks=8, block_size=BS, max_num_batched_tokens=24)
+    assert llm.llm_engine.kv_manager.specs == (RecurrentState(),)
+    got = greedy_recording(llm, 16)
+    # (transformers' generate needs an attention layer for its cache: its greedy tokens by whole forwards)
+    for prompt, tokens in zip(PROMPTS, got, strict=True):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(16):
+                ids.append(int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+        assert list(tokens) == ids[len(prompt) :]
+    llm.reset_prefix_cache()
+    llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    again = llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                         use_tqdm=False)[0]  # fmt: skip
+    assert again.num_cached_tokens == 80 and list(again.outputs[0].token_ids) == got[1]
+    assert_clean(llm)
