@@ -55,9 +55,14 @@ class LayerKV:
         return bool(self.window or self.chunk or self.softcap) or self.sinks is not None
 
     @property
+    def reach(self) -> int:
+        """The most keys a query reads (its window, or its chunk); 0: every earlier one."""
+        return self.window or self.chunk
+
+    @property
     def local(self) -> bool:
         """A query reads a local span of keys (a window or its chunk), not every earlier one."""
-        return bool(self.window or self.chunk)
+        return bool(self.reach)
 
     def first_key(self, pos: torch.Tensor) -> torch.Tensor:
         """The first key position a query at each of `pos` reads (core/kv_spec.py's first_visible)."""

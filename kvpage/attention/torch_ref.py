@@ -180,7 +180,7 @@ class TorchReferenceBackend:
         # faster than the generic path that 3-D inputs fall back to.
         qi = q.transpose(0, 1)[None]
         # no earlier context, and no key outside a window or chunk: its own K/V are all the keys
-        if q.shape[0] == n and not (kv.local and int(kv.first_key(torch.tensor(n - 1))) > 0):
+        if q.shape[0] == n and not (kv.local and n > kv.reach):
             ki, vi = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:

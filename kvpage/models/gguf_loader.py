@@ -154,10 +154,9 @@ def _family(arch: str, meta: dict[str, Any], tensor_names: set[str], n: int) -> 
     if arch == "llama4":
         out |= _llama4(meta, tensor_names, n)
     if arch in ("qwen3moe", "gpt-oss"):
-        on = tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(n))
         common = dict(num_experts=int(meta[f"{arch}.expert_count"]), top_k=int(meta[f"{arch}.expert_used_count"]),
                       intermediate_size=int(meta[f"{arch}.expert_feed_forward_length"]),
-                      layers=None if all(on) else on)  # fmt: skip
+                      layers=_moe_layers(tensor_names, n))  # fmt: skip
         if arch == "qwen3moe":  # (llama.cpp renormalizes Qwen3-MoE's top k unless the file says otherwise)
             out["moe"] = MoE(**common, norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)))
         else:
@@ -177,15 +176,20 @@ def _family(arch: str, meta: dict[str, Any], tensor_names: set[str], n: int) -> 
     return out
 
 
+def _moe_layers(tensor_names: set[str], n: int) -> tuple[bool, ...] | None:
+    """Which layers' MLP is a mixture (those with a router); None: every layer."""
+    on = tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(n))
+    return None if all(on) else on
+
+
 def _llama4(meta: dict[str, Any], tensor_names: set[str], n: int) -> dict[str, Any]:
     """Llama 4's layout as llama.cpp derives it (its GGUFs carry the mixture's sizes and step only); a window
     of 0 means no chunks and RoPE on every layer (MobileLLM)."""
     experts = int(meta.get("llama4.expert_count", 0))
     chunked = meta.get("llama4.attention.sliding_window", LLAMA4_CHUNK) != 0
     rope = tuple((i + 1) % LLAMA4_NOPE_EVERY != 0 or not chunked for i in range(n))
-    on = tuple(f"blk.{i}.ffn_gate_inp.weight" in tensor_names for i in range(n))
     size = int(meta.get("llama4.expert_feed_forward_length", 0))
-    moe = MoE(experts, int(meta["llama4.expert_used_count"]), size, layers=None if all(on) else on,
+    moe = MoE(experts, int(meta["llama4.expert_used_count"]), size, layers=_moe_layers(tensor_names, n),
               router="sigmoid", shared_intermediate_size=size) if experts else None  # fmt: skip
     return dict(
         layer_types=tuple("chunked_attention" if r else "full_attention" for r in rope) if chunked else None,
@@ -200,18 +204,18 @@ def _join_experts(weights: dict[str, np.ndarray], cfg: ModelConfig) -> None:
     them back); down_proj likewise."""
     import torch
 
-    from kvpage.models.loader import _expert_to_checkpoint
+    from kvpage.models.loader import expert_to_checkpoint
 
     for gate in [n for n in weights if ".mlp.experts.gate_proj." in n]:
         up = gate.replace("gate_proj", "up_proj")
         joined = "mlp.experts.gate_up_proj" + ("" if gate.endswith(".weight") else "_bias")
         name = gate.split(".mlp.")[0] + "." + joined
         t = torch.from_numpy(np.concatenate([weights.pop(gate), weights.pop(up)], axis=1))
-        weights[name] = np.ascontiguousarray(_expert_to_checkpoint(name, t, cfg.architecture).numpy())
+        weights[name] = np.ascontiguousarray(expert_to_checkpoint(name, t, cfg.architecture).numpy())
     for down in [n for n in weights if ".mlp.experts.down_proj." in n]:
         name = down.removesuffix(".weight").removesuffix(".bias") + ("" if down.endswith(".weight") else "_bias")
         t = torch.from_numpy(weights.pop(down))
-        weights[name] = np.ascontiguousarray(_expert_to_checkpoint(name, t, cfg.architecture).numpy())
+        weights[name] = np.ascontiguousarray(expert_to_checkpoint(name, t, cfg.architecture).numpy())
 
 
 def read_gguf(path: Path) -> tuple[ModelConfig, Tokenizer, dict[str, np.ndarray]]:

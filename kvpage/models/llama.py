@@ -45,7 +45,7 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies of the rotary embedding, with linear or llama3 scaling when asked."""
     # RoPE on the first rotary_dim dims of a head (Bamba): their frequencies, then zeros (cos 1, sin 0) for
-    # the rest, which the loader's row order (partial_rope_rows) pairs among themselves
+    # the rest, which the loader's row order (loader.rope_row_order) pairs among themselves
     d = cfg.rotary_dim or cfg.head_dim
     # explicit device: the model may be built under torch.device("meta"), and these are not weights
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
@@ -146,6 +146,7 @@ class Attention(nn.Module):
         # Llama 4's RoPE layers: q and k L2-normalized per head (an RMSNorm without weight; after RoPE there,
         # before it here: RoPE turns pairs, which keeps a head's norm); its NoPE layers scale each query
         self.l2_norm = cfg.qk_l2_norm and rope
+        self._ones: torch.Tensor | None = None  # (the L2 norm's weight)
         self.temperature = cfg.attn_temperature is not None and not rope
         if cfg.qk_norm:  # Qwen3: each head of q and of k RMS-normalized before RoPE, one weight per head dim
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -176,9 +177,10 @@ class Attention(nn.Module):
         """[T, q + 2 kv] with every head of q and k normalized over its head_dim (v as it was)."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         d = self.head_dim
-        if self.q_norm is None:  # (weightless)
-            eps, ones = self.eps, torch.ones(d, dtype=qkv.dtype, device=qkv.device)
-            wq = wk = ones
+        if self.q_norm is None:  # (weightless: a weight of ones, made once per dtype and device)
+            if self._ones is None or self._ones.dtype != qkv.dtype or self._ones.device != qkv.device:
+                self._ones = torch.ones(d, dtype=qkv.dtype, device=qkv.device)
+            eps, wq, wk = self.eps, self._ones, self._ones
         else:
             eps, wq, wk = self.q_norm.eps, self.q_norm.weight, self.k_norm.weight
         q = self.ops.rms_norm(q.reshape(-1, d), wq, eps).view(-1, self.q_size)

@@ -168,9 +168,7 @@ def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, device: str, back
     model.to_empty(device=device)
     model.load_weights(
         (name, shard.narrow(name, t, cfg))
-        for name, t in partial_rope_rows(
-            interleaved_rope_rows(unit_offset_norms(split_fused(checkpoint_names(weights, cfg), cfg), cfg), cfg), cfg
-        )
+        for name, t in rope_rows(unit_offset_norms(split_fused(checkpoint_names(weights, cfg), cfg), cfg), cfg)
     )
     # made in float32, then rounded: a bfloat16 model made in its dtype at once (its weights allocated
     # before the load's float32 temporaries came and went) decoded 5-8% slower offline here, its weights
@@ -178,18 +176,33 @@ def build_model(cfg: ModelConfig, weights, dtype: torch.dtype, device: str, back
     return model.to(dtype).eval().requires_grad_(False)
 
 
-def interleaved_rope_rows(weights, cfg: ModelConfig):
-    """Cohere's RoPE rotates interleaved pairs (dims 2i, 2i+1); kvpage rotates halves (i, i + d/2). Each
-    head's q and k rows reordered evens first, then odds, turn one into the other, and attention scores
-    do not change (q and k permuted alike; v as it was)."""
-    if not cfg.rope_interleaved:
+def rope_row_order(cfg: ModelConfig) -> torch.Tensor | None:
+    """The order of each head's q and k rows that makes a family's RoPE kvpage's (which rotates the pairs
+    (i, i + d/2)); None where it already is. Attention scores do not change (q and k permuted alike; v as
+    it was).
+    - Interleaved RoPE (Cohere, Llama 4) rotates pairs (2i, 2i + 1): evens first, then odds.
+    - RoPE on the first r dims only (Bamba) pairs i with i + r/2 (i < r/2): [0, r/2), [r, r + (d-r)/2),
+      [r/2, r), [r + (d-r)/2, d), the unrotated dims paired among themselves (their frequency zero:
+      rope_inv_freq)."""
+    d, r = cfg.head_dim, cfg.rotary_dim
+    if cfg.rope_interleaved:
+        return torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
+    if r is not None and r != d:
+        return torch.cat([torch.arange(0, r // 2), torch.arange(r, r + (d - r) // 2), torch.arange(r // 2, r),
+                          torch.arange(r + (d - r) // 2, d)])  # fmt: skip
+    return None
+
+
+def rope_rows(weights, cfg: ModelConfig):
+    """(name, tensor) pairs with each head's q and k rows in `rope_row_order`."""
+    order = rope_row_order(cfg)
+    if order is None:
         yield from weights
         return
     d = cfg.head_dim
     for name, t in weights:
         if name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = t.shape[0] // d
-            t = t.reshape(heads, d // 2, 2, -1).transpose(1, 2).reshape(heads * d, -1)
+            t = t.reshape(-1, d, t.shape[-1])[:, order].reshape(t.shape)
         yield name, t
 
 
@@ -223,7 +236,7 @@ def _expert_to_ours(name: str, t: torch.Tensor, arch: str) -> torch.Tensor:
         else t  # fmt: skip
 
 
-def _expert_to_checkpoint(name: str, t: torch.Tensor, arch: str) -> torch.Tensor:
+def expert_to_checkpoint(name: str, t: torch.Tensor, arch: str) -> torch.Tensor:
     if arch not in RENAMES:  # (kvpage's layout is the checkpoints')
         return t
     if arch == "gpt_oss" and name.endswith(("experts.gate_up_proj", "experts.gate_up_proj_bias")):
@@ -242,23 +255,6 @@ def checkpoint_names(weights, cfg: ModelConfig):
         for a, b in renames:
             name = name.replace(a, b)
         yield name, _expert_to_ours(name, t, cfg.architecture)
-
-
-def partial_rope_rows(weights, cfg: ModelConfig):
-    """RoPE on the first r dims of a head (Bamba) pairs dim i with i + r/2 (i < r/2); kvpage rotates d/2
-    pairs (i, i + d/2). Each head's q and k rows reordered [0, r/2), [r, r + (d-r)/2), [r/2, r),
-    [r + (d-r)/2, d) turn the one into the other, the unrotated dims paired among themselves (their
-    frequency zero: rope_inv_freq); scores do not change (q and k permuted alike)."""
-    r, d = cfg.rotary_dim, cfg.head_dim
-    if r is None or r == d:
-        yield from weights
-        return
-    order = torch.cat([torch.arange(0, r // 2), torch.arange(r, r + (d - r) // 2), torch.arange(r // 2, r),
-                       torch.arange(r + (d - r) // 2, d)])  # fmt: skip
-    for name, t in weights:
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            t = t.reshape(-1, d, t.shape[-1])[:, order].reshape(t.shape)
-        yield name, t
 
 
 def split_fused(weights, cfg: ModelConfig):
@@ -296,7 +292,7 @@ def dummy_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
         is_norm = name.endswith("norm.weight")
         t = 1.0 + 0.1 * torch.randn(p.shape, generator=g) if is_norm else 0.02 * torch.randn(p.shape, generator=g)
         if cfg.architecture in RENAMES:  # (its checkpoints' names and layout: checkpoint_names undone)
-            t = _expert_to_checkpoint(name, t, cfg.architecture)
+            t = expert_to_checkpoint(name, t, cfg.architecture)
             for a, b in reversed(RENAMES[cfg.architecture]):
                 name = name.replace(b, a)
         fused = name.split(".")[-2]
