@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from kvpage.models.config import ModelConfig, MoE
-from kvpage.models.tokenizer import Tokenizer
+from kvpage.models.tokenizer import Tokenizer, end_of_generation_ids
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -51,7 +51,7 @@ _LAYER_NAMES = {
 }
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "qwen3moe": "qwen3_moe",
                   "gpt-oss": "gpt_oss", "smollm3": "smollm3", "cohere2": "cohere2",
-                  "llama4": "llama4_text"}  # fmt: skip
+                  "llama4": "llama4_text", "gemma2": "gemma2", "gemma3": "gemma3_text"}  # fmt: skip
 # llama.cpp's converter permutes q and k rows of these (LLaMA's, and SmolLM3's, a LLaMA to it)
 _PERMUTED_QK = ("llama", "smollm3")
 # what llama.cpp's GGUFs of these families leave to its code: SmolLM3 drops RoPE on every 4th layer,
@@ -60,9 +60,18 @@ SMOLLM3_NOPE_EVERY, COHERE2_PATTERN = 4, 4
 # ... and Llama 4 chunks of 8,192 tokens on three layers of four (the fourth NoPE, its queries scaled with a
 # floor of 8,192 tokens and a strength of 0.1), q/k norms but on its 128-expert model
 LLAMA4_CHUNK, LLAMA4_NOPE_EVERY, LLAMA4_TEMPERATURE = 8192, 4, (8192.0, 0.1)
+# ... and Gemma's: windows on one layer of two (Gemma 2; 4,096 tokens unless the file says) or five of six (Gemma
+# 3, whose local layers' RoPE base is 10,000); queries scaled by 1/sqrt(head_dim), but by 1/sqrt(hidden / heads)
+# on the 27B models (known by their layer count)
+GEMMA_PATTERN, GEMMA2_WINDOW, GEMMA3_LOCAL_THETA = {"gemma2": 2, "gemma3": 6}, 4096, 10_000.0
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+_GEMMA_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}  # fmt: skip
 _ARCH_LAYER_NAMES = {
     "phi3": {"ffn_up": "mlp.gate_up_proj"},  # Phi-3's ffn_up holds gate and up, fused
     "gpt_oss": {"post_attention_norm": "post_attention_layernorm"},  # (its norm before the mixture)
+    "gemma2": _GEMMA_NORMS,  # (four norms a layer: before and after attention and the MLP)
+    "gemma3_text": _GEMMA_NORMS,
 }
 GPT_OSS_SWIGLU = (1.702, 7.0)  # llama.cpp's constants for gpt-oss's clamped SwiGLU (alpha, limit)
 
@@ -112,7 +121,6 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
     rope_scaling = None
     if meta.get(f"{arch}.rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    eos = meta.get("tokenizer.ggml.eos_token_id")
     fields = dict(
         vocab_size=int(meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])),
         hidden_size=hidden,
@@ -132,7 +140,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         architecture=_ARCHITECTURES[arch],
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=[] if eos is None else [int(eos)],
+        eos_token_ids=end_of_generation_ids(meta),
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         sliding_window=meta.get(f"{arch}.attention.sliding_window") if arch in ("phi3", "gpt-oss", "cohere2") else None,
     )
@@ -153,6 +161,8 @@ def _family(arch: str, meta: dict[str, Any], tensor_names: set[str], n: int) -> 
                     logit_scale=float(meta.get(f"{arch}.logit_scale", 0.0625)))  # fmt: skip
     if arch == "llama4":
         out |= _llama4(meta, tensor_names, n)
+    if arch in GEMMA_PATTERN:
+        out |= _gemma(arch, meta, n)
     if arch in ("qwen3moe", "gpt-oss"):
         common = dict(num_experts=int(meta[f"{arch}.expert_count"]), top_k=int(meta[f"{arch}.expert_used_count"]),
                       intermediate_size=int(meta[f"{arch}.expert_feed_forward_length"]),
@@ -196,6 +206,40 @@ def _llama4(meta: dict[str, Any], tensor_names: set[str], n: int) -> dict[str, A
         attention_chunk_size=LLAMA4_CHUNK if chunked else None, rope_layers=rope, rope_interleaved=True,
         qk_l2_norm=experts != 128, attn_temperature=LLAMA4_TEMPERATURE if chunked else None, moe=moe,
     )  # fmt: skip
+
+
+def _gemma(arch: str, meta: dict[str, Any], n: int) -> dict[str, Any]:
+    """Gemma 2 / 3 as llama.cpp reads them: the window from the file, the window pattern, the local RoPE base and
+    the query scale its constants (a pattern in the file wins); soft caps where the file has them."""
+    window = meta.get(f"{arch}.attention.sliding_window") or (GEMMA2_WINDOW if arch == "gemma2" else 0)
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", GEMMA_PATTERN[arch])
+    if isinstance(pattern, list | tuple):
+        sliding = tuple(bool(p) for p in pattern)
+    else:  # (a Gemma 3 converted with no window: every layer global)
+        sliding = tuple(bool(window) and i % int(pattern) < int(pattern) - 1 for i in range(n))
+    heads, hidden = int(meta[f"{arch}.attention.head_count"]), int(meta[f"{arch}.embedding_length"])
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
+    caps = {k: (float(meta[f"{arch}.{k}"]) if meta.get(f"{arch}.{k}") else None)
+            for k in ("attn_logit_softcapping", "final_logit_softcapping")}  # fmt: skip
+    scaling = None
+    if meta.get(f"{arch}.rope.scaling.type") == "linear":  # (Gemma 3's global layers only)
+        scaling = {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+    return dict(
+        layer_types=tuple("sliding_attention" if s else "full_attention" for s in sliding) if any(sliding) else None,
+        sliding_window=int(window) if any(sliding) else None,
+        hidden_act="gelu_pytorch_tanh", sandwich_norms=True, qk_norm=arch == "gemma3",
+        query_pre_attn_scalar=hidden // heads if n == GEMMA_27B_LAYERS[arch] else head_dim,
+        embed_scale=float(hidden) ** 0.5, local_rope_theta=GEMMA3_LOCAL_THETA if arch == "gemma3" else None,
+        rope_scaling=scaling, bos_token_id=meta.get("tokenizer.ggml.bos_token_id", 2), **caps,
+    )  # fmt: skip
+
+
+def _gemma_norms(weights: dict[str, np.ndarray], cfg: ModelConfig) -> None:
+    """llama.cpp's converter adds 1 to each Gemma norm weight (its norms multiply by the weight, Gemma's by 1 + w);
+    the conversion holds them as Gemma's checkpoints do (the loader adds the 1 back: loader.unit_offset_norms)."""
+    if cfg.sandwich_norms:
+        for name in [n for n in weights if n.endswith("norm.weight")]:
+            weights[name] = weights[name].astype(np.float32) - np.float32(1.0)
 
 
 def _join_experts(weights: dict[str, np.ndarray], cfg: ModelConfig) -> None:
@@ -268,4 +312,5 @@ def _read(path: Path, keep_blocks: bool):
         w = np.ascontiguousarray(w)
         weights[name] = w if w.flags.writeable else w.copy()  # F32 tensors come as read-only file maps
     _join_experts(weights, cfg)
+    _gemma_norms(weights, cfg)
     return cfg, tokenizer, weights, types

@@ -1,8 +1,9 @@
 """`Tokenizer`: text <-> token ids and the chat template, built on the `tokenizers` library.
 
 Built either from a Hugging Face directory (tokenizer.json + tokenizer_config.json) or from GGUF
-metadata (a byte-level BPE vocabulary with merges, as llama.cpp stores it). Saved in the Hugging
-Face layout, so a converted GGUF loads like any model directory.
+metadata, as llama.cpp stores a vocabulary: a byte-level BPE with merges ("gpt2"), or SentencePiece's
+pieces with their scores ("llama": Gemma, Llama 2, Mistral 7B), read as SentencePiece's BPE reads them.
+Saved in the Hugging Face layout, so a converted GGUF loads like any model directory.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
 # tokenizer.json parsed once per process and file version (a 49k-token vocabulary takes ~0.1 s to parse):
@@ -30,7 +31,9 @@ def _parsed(file: Path) -> _HFTokenizer:
     return _PARSED[key]
 
 
-CONTROL_TOKEN = 3  # llama.cpp's token type for special tokens such as <|im_start|>
+# llama.cpp's token types (SentencePiece's): special tokens such as <|im_start|> are CONTROL
+NORMAL, UNKNOWN, CONTROL_TOKEN, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+SPACE = "\u2581"  # SentencePiece's visible space
 
 # How llama.cpp's pre-tokenizer types split text before BPE (see its llama-vocab.cpp).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -74,7 +77,8 @@ class Tokenizer:
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
         self._template = None  # the compiled chat template
-        self._literal: _HFTokenizer | None = None
+        self._variants: dict[tuple[bool, bool], _HFTokenizer] = {}
+        self._space_prefix: bool | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -131,10 +135,12 @@ class Tokenizer:
                 raise ValueError("continue_final_message: the chat template does not end with the final message")
             parts = parts[:-1]  # the template's text after the final message's content (its end of turn)
         ids = [self.bos_token_id] if self._needs_bos(rendered) else []
+        started = False  # (a tokenizer that puts a space before the text puts it before the first part only)
         for i, part in enumerate(parts):
             if part:
-                backend = self._literal_backend() if i % 2 else self.backend
+                backend = self._variant(literal=bool(i % 2), continuation=started and self._prefixes)
                 ids += _ids(backend, contents[int(part)] if i % 2 else part)
+                started = True
         return ids
 
     def _needs_bos(self, rendered: str) -> bool:
@@ -151,13 +157,27 @@ class Tokenizer:
     def special_token_texts(self) -> list[str]:
         return [t.content for t in self.backend.get_added_tokens_decoder().values() if t.special]
 
-    def _literal_backend(self) -> _HFTokenizer:
-        """A copy of the tokenizer that reads control-token texts as plain text."""
-        if self._literal is None:
-            literal = _HFTokenizer.from_str(self.backend.to_str())
-            literal.encode_special_tokens = True
-            self._literal = literal
-        return self._literal
+    def _variant(self, literal: bool, continuation: bool) -> _HFTokenizer:
+        """The tokenizer, or a copy that reads control-token texts as plain text (`literal`) and puts no space
+        before the text (`continuation`: a part of a text after its start)."""
+        if not (literal or continuation):
+            return self.backend
+        if (literal, continuation) not in self._variants:
+            spec = json.loads(self.backend.to_str())
+            if continuation:
+                _no_space_prefix(spec)
+            variant = _HFTokenizer.from_str(json.dumps(spec))
+            variant.encode_special_tokens = literal
+            self._variants[literal, continuation] = variant
+        return self._variants[literal, continuation]
+
+    @property
+    def _prefixes(self) -> bool:
+        """Whether the tokenizer puts a space before the text (SentencePiece's dummy prefix)."""
+        if self._space_prefix is None:
+            spec = json.loads(self.backend.to_str())
+            self._space_prefix = json.dumps(spec) != json.dumps(_no_space_prefix(spec))
+        return self._space_prefix
 
     def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         if not self.chat_template:
@@ -185,24 +205,32 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported yet (only byte-level BPE, 'gpt2')")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        vocab = {t: i for i, t in enumerate(tokens)}
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]  # (none: bytes only)
-        backend = _HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
-        backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
-        backend.decoder = decoders.ByteLevel()
-        types = meta.get("tokenizer.ggml.token_type") or []
-        special = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == CONTROL_TOKEN]
-        backend.add_special_tokens(special)
-        eos = meta.get("tokenizer.ggml.eos_token_id")
+        types = meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+        if kind == "gpt2":
+            vocab = {t: i for i, t in enumerate(tokens)}
+            merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]  # (none: bytes only)
+            backend = _HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
+            backend.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+            backend.decoder = decoders.ByteLevel()
+        elif kind == "llama":
+            prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))  # (llama.cpp's default)
+            backend = _sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores"), types, space_prefix=prefix)
+        else:
+            raise ValueError(
+                f"GGUF tokenizer model {kind!r} is not supported yet (byte-level BPE 'gpt2' and SentencePiece 'llama')"
+            )
+        backend.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == CONTROL_TOKEN]
+        )
+        # (user-defined pieces are matched whole in any text, as llama.cpp and SentencePiece match them)
+        backend.add_tokens([AddedToken(t, normalized=False) for t, ty in zip(tokens, types) if ty == USER_DEFINED])
         return cls(
             backend,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=[] if eos is None else [int(eos)],
+            eos_token_ids=end_of_generation_ids(meta),
             chat_template=meta.get("tokenizer.chat_template"),
-            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
         )
 
     @classmethod
@@ -242,6 +270,61 @@ class Tokenizer:
             "chat_template": self.chat_template,
         }
         (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+
+
+def _no_space_prefix(spec: dict[str, Any]) -> dict[str, Any]:
+    """A tokenizer.json's spec (changed in place) with no space put before the text: no Prepend normalizer, and
+    a Metaspace pre-tokenizer that prepends never."""
+    for key in ("normalizer", "pre_tokenizer"):
+        part = spec.get(key) or {}
+        for step in [part, *(part.get("normalizers") or part.get("pretokenizers") or [])]:
+            if step.get("type") == "Metaspace":
+                step["prepend_scheme"] = "never"
+        if part.get("type") == "Prepend":
+            spec[key] = None
+        elif part.get("type") == "Sequence":
+            kids = "normalizers" if key == "normalizer" else "pretokenizers"
+            part[kids] = [step for step in part[kids] if step.get("type") != "Prepend"]
+    return spec
+
+
+def end_of_generation_ids(meta: dict[str, Any]) -> list[int]:
+    """The ids that end a generation: the file's EOS, its end-of-turn and end-of-message tokens, and Gemma's
+    <end_of_turn> (its GGUFs name no end of turn; llama.cpp finds it by its text)."""
+    ids = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    if "<end_of_turn>" in tokens:
+        ids.append(tokens.index("<end_of_turn>"))
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float] | None, types: list[int], space_prefix: bool):
+    """SentencePiece's BPE as a `tokenizers` BPE. SentencePiece joins, again and again, the adjacent pair
+    whose joined piece is a normal piece of the highest score (the leftmost of equals); a BPE whose merges are
+    every split of each normal piece in two normal pieces, ranked by the joined piece's score, joins the same
+    pairs in the same order. A character outside the vocabulary falls back to its UTF-8 bytes' <0xXX> pieces
+    (or <unk>). Spaces are SentencePiece's visible space; `space_prefix`: one is put before the text (and
+    after each special token, as llama.cpp does)."""
+    scores = scores if scores is not None else [-float(i) for i in range(len(tokens))]
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    normal = {t for t, ty in zip(tokens, types) if ty == NORMAL}
+    ranked = sorted(
+        (-scores[i], i, k, t[:k], t[k:])
+        for i, (t, ty) in enumerate(zip(tokens, types))
+        if ty == NORMAL
+        for k in range(1, len(t))
+        if t[:k] in normal and t[k:] in normal
+    )
+    unk = next((t for t, ty in zip(tokens, types) if ty == UNKNOWN), None)
+    backend = _HFTokenizer(models.BPE(vocab, [(a, b) for *_, a, b in ranked], unk_token=unk, fuse_unk=True,
+                                      byte_fallback=any(ty == BYTE for ty in types)))  # fmt: skip
+    spaces = [normalizers.Replace(" ", SPACE)]
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), *spaces] if space_prefix else spaces)
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if space_prefix else steps)
+    return backend
 
 
 def _ids(backend: _HFTokenizer, text: str) -> list[int]:

@@ -213,7 +213,8 @@ def test_in_batch_prefix_hit_matches_transformers(pair):
 
 
 # llama.cpp's architectures for these families (its Mistral GGUFs carry no window, Qwen2's windows neither; its
-# SmolLM3, Cohere 2 and Llama 4 layouts are its constants: test_families_whose_layout_llama_cpp_fixes_...)
+# SmolLM3, Cohere 2, Llama 4 and Gemma layouts are its constants: test_families_whose_layout_llama_cpp_fixes_...,
+# test_llama4_loads_..., test_gemma_loads_...)
 GGUF_CASES = {"llama-mha", "llama-mqa", "qwen2-bias", "qwen3-qk-norm", "rope-linear", "phi3-fused", "qwen3-moe",
               "gpt-oss", "rope-llama3"}  # fmt: skip
 
@@ -279,6 +280,70 @@ def test_families_whose_layout_llama_cpp_fixes_load_from_gguf(family, tmp_path):
         assert getattr(from_gguf.config, field) == getattr(read, field) == getattr(ours.config, field), field
     a, b = dict(ours.model.named_parameters()), dict(from_gguf.model.named_parameters())
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+GEMMA_GGUF = {
+    # a window on layer 0 of 2, both soft caps
+    "Gemma2": dict(num_hidden_layers=2, sliding_window=8, attn_logit_softcapping=1.5, final_logit_softcapping=3.0),
+    # windows on layers 0-4 of 6, the global layers' RoPE scaled (the local ones' base llama.cpp's 10,000)
+    "Gemma3Text": dict(num_hidden_layers=6, sliding_window=8, rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+}  # fmt: skip
+
+
+@pytest.mark.same_on_every_kind  # the loader's part
+@pytest.mark.parametrize("family", sorted(GEMMA_GGUF))
+def test_gemma_loads_from_gguf_as_llama_cpp_writes_it(family, tmp_path):
+    """llama.cpp's Gemma GGUFs hold each norm as 1 + w, a SentencePiece vocabulary, the window and the caps; the
+    window pattern (1 of 2, 5 of 6), the local RoPE base and the query scale are its constants. Gemma models of
+    transformers' layouts (random norms) load from such a GGUF as the same config and the same weights, bit for bit,
+    as from their directories."""
+    import transformers
+
+    from tests.models.tiny_gguf import write_gguf_of
+
+    kw = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16)
+    cfg = getattr(transformers, f"{family}Config")(**(SMALL | kw | GEMMA_GGUF[family]))
+    torch.manual_seed(0)
+    hf = getattr(transformers, f"{family.removesuffix('Text')}ForCausalLM")(cfg)
+    with torch.no_grad():  # (transformers starts Gemma's norms at 0: 1 + w would be 1 everywhere)
+        for n, p in hf.named_parameters():
+            if n.endswith("norm.weight"):
+                p.normal_(0.0, 0.3)
+    hf.save_pretrained(tmp_path)
+    write_gguf_of(tmp_path, tmp_path / "model.gguf")
+    ours = load_model(str(tmp_path), dtype="float32")
+    from_gguf = load_model(str(tmp_path / "model.gguf"), dtype="float32", use_cache=False)
+    sliding = 5 if family == "Gemma3Text" else 1
+    assert ours.config.layer_types == ("sliding_attention",) * sliding + ("full_attention",)
+    for field in ("architecture", "layer_types", "sliding_window", "attn_logit_softcapping", "final_logit_softcapping",
+                  "query_pre_attn_scalar", "qk_norm", "sandwich_norms", "embed_scale", "hidden_act", "rope_theta",
+                  "local_rope_theta", "rope_scaling", "tie_word_embeddings", "bos_token_id"):  # fmt: skip
+        assert getattr(from_gguf.config, field) == getattr(ours.config, field), field
+    a, b = dict(ours.model.named_parameters()), dict(from_gguf.model.named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert from_gguf.tokenizer.eos_token_ids == [1, 5]  # <eos>, and <end_of_turn> found by its text
+
+
+@pytest.mark.same_on_every_kind  # the loader's part
+@pytest.mark.parametrize(("arch", "layers", "scalar"), [("gemma2", 46, 144), ("gemma2", 42, 256), ("gemma3", 62, 168),
+                                                        ("gemma3", 34, 256)])  # fmt: skip
+def test_gemma_query_scale_follows_llama_cpps_rule_for_27b(arch, layers, scalar):
+    """A GGUF carries no query scale: llama.cpp scales by 1/sqrt(head_dim) but on the 27B models (46 / 62 layers,
+    whose published query_pre_attn_scalar is hidden / heads: 144 and 168)."""
+    from kvpage.models.gguf_loader import config_from_metadata
+
+    hidden, heads, head_dim = {46: (4608, 32, 128), 62: (5376, 32, 128)}.get(layers, (2560, 8, 256))
+    meta = {f"{arch}.{k}": v for k, v in dict(
+        block_count=layers, embedding_length=hidden, feed_forward_length=4 * hidden, context_length=8192,
+        **{"attention.head_count": heads, "attention.head_count_kv": heads // 2, "attention.key_length": head_dim,
+           "attention.layer_norm_rms_epsilon": 1e-6, "attention.sliding_window": 4096}).items()}  # fmt: skip
+    meta |= {"general.architecture": arch, "tokenizer.ggml.tokens": ["<pad>", "<eos>", "<bos>"]}
+    cfg = config_from_metadata(meta, {"token_embd.weight"})
+    assert cfg.query_pre_attn_scalar == scalar
+    s, f = "sliding_attention", "full_attention"
+    assert cfg.layer_types[:6] == ((s,) * 5 + (f,) if arch == "gemma3" else (s, f) * 3)
 
 
 @pytest.mark.same_on_every_kind  # the loader's part

@@ -101,7 +101,65 @@ def write_tiny_llama(path: Path, types: dict[str, Q], *, tied: bool = False, see
     w.close()
 
 
-LLAMA_CPP_ARCH = {"qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss", "llama4_text": "llama4"}  # model_type -> llama.cpp's
+LLAMA_CPP_ARCH = {"qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss", "llama4_text": "llama4", "gemma3_text": "gemma3"}
+GEMMA = ("gemma2", "gemma3_text")
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]  # Gemma's first ids, in order
+
+
+def sentencepiece_vocab(size: int, space_prefix: bool = False) -> tuple[list[str], list[float], list[int], bytes]:
+    """A real SentencePiece BPE vocabulary of `size` pieces, trained by the sentencepiece library on this
+    repository's documentation as Gemma's was set up (byte fallback, digits split, no normalization, spaces
+    kept; `space_prefix`: SentencePiece's dummy prefix, as Llama 2's): pieces, scores and types as llama.cpp's
+    converter reads them, and the model itself (for sentencepiece's own encoder)."""
+    import io
+
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2
+
+    root = Path(__file__).resolve().parents[2]
+    text = "\n".join(f.read_text() for f in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([line for line in text.splitlines() if line.strip()]), model_writer=buf,
+        model_type="bpe", vocab_size=size, byte_fallback=True, split_digits=True, add_dummy_prefix=space_prefix,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
+        character_coverage=1.0, pad_id=0, eos_id=1, bos_id=2, unk_id=3, user_defined_symbols=SPECIALS[4:],
+        num_threads=1, minloglevel=2,
+    )  # fmt: skip
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(buf.getvalue())
+    pieces = list(proto.pieces)
+    return [p.piece for p in pieces], [p.score for p in pieces], [int(p.type) for p in pieces], buf.getvalue()
+
+
+def _add_sentencepiece_vocab(w: GGUFWriter, size: int) -> None:
+    """Gemma's kind of vocabulary, as llama.cpp's converter writes it: SentencePiece pieces, scores and types, no
+    space prefix, <bos> 2, <eos> 1, <end_of_turn> found by its text. A real one where the model's vocabulary is big
+    enough to hold the 256 byte pieces; else the specials and single characters."""
+    if size >= 320:
+        tokens, scores, types, _ = sentencepiece_vocab(size)
+        types[4:6] = [3, 3]  # (the turn markers: special in Gemma's tokenizer config, so CONTROL to the converter)
+    else:
+        chars = [chr(c) for c in range(ord("!"), ord("~") + 1)]
+        tokens = (SPECIALS + ["\u2581", *chars])[:size]
+        tokens += [f"<unused{i}>" for i in range(size - len(tokens))]
+        scores = [-float(i) for i in range(size)]
+        types = [3, 3, 3, 2, 3, 3] + [1] * (size - 6)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_add_space_prefix(False)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_chat_template(GEMMA_TEMPLATE)
 
 
 def rope_factors(hf: dict) -> np.ndarray | None:
@@ -168,7 +226,7 @@ def write_gguf_of(hf_dir: Path, path: Path, expert_type: Q = Q.F32) -> None:
     """The Hugging Face model saved in `hf_dir` (config.json, model.safetensors) as llama.cpp's converter
     writes it: llama.cpp's tensor names and metadata keys for its architecture, float32 tensors (a mixture's
     expert matrices in `expert_type`: gpt-oss's GGUFs hold them in MXFP4), q and k rows permuted for LLaMA,
-    and a byte-level vocabulary of the model's size."""
+    Gemma's norms plus 1, and a vocabulary of the model's size (byte-level; SentencePiece's for Gemma)."""
     import json
 
     from safetensors.numpy import load_file
@@ -177,9 +235,8 @@ def write_gguf_of(hf_dir: Path, path: Path, expert_type: Q = Q.F32) -> None:
 
     hf = json.loads((hf_dir / "config.json").read_text())
     arch = hf["model_type"]
-    assert arch in ("llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "gpt_oss", "smollm3", "cohere2", "llama4_text"), (
-        arch
-    )
+    assert arch in ("llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "gpt_oss", "smollm3", "cohere2", "llama4_text",
+                    *GEMMA), arch  # fmt: skip
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     kv_heads = hf.get("num_key_value_heads") or heads
     w = GGUFWriter(str(path), LLAMA_CPP_ARCH.get(arch, arch))
@@ -192,6 +249,7 @@ def write_gguf_of(hf_dir: Path, path: Path, expert_type: Q = Q.F32) -> None:
     w.add_key_length(hf.get("head_dim") or hidden // heads)
     w.add_value_length(hf.get("head_dim") or hidden // heads)
     rope = hf.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # (Gemma 3's: the global layers' in the file, the local base llama.cpp's)
     w.add_rope_freq_base(float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0))
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
@@ -205,8 +263,11 @@ def write_gguf_of(hf_dir: Path, path: Path, expert_type: Q = Q.F32) -> None:
         w.add_logit_scale(hf["logit_scale"])
     else:
         w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
-    if arch in ("phi3", "gpt_oss", "cohere2") and hf.get("sliding_window"):
+    if arch in ("phi3", "gpt_oss", "cohere2", *GEMMA) and hf.get("sliding_window"):
         w.add_sliding_window(hf["sliding_window"])
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if arch in GEMMA and hf.get(cap):
+            getattr(w, f"add_{cap}")(hf[cap])
     if arch == "llama4_text":
         w.add_interleave_moe_layer_step(hf["interleave_moe_layer_step"])
     if arch in ("qwen3_moe", "gpt_oss", "llama4_text"):
@@ -214,12 +275,15 @@ def write_gguf_of(hf_dir: Path, path: Path, expert_type: Q = Q.F32) -> None:
         w.add_expert_used_count(hf["num_experts_per_tok"])
         w.add_expert_feed_forward_length(hf.get("moe_intermediate_size") or hf["intermediate_size"])
     w.add_vocab_size(hf["vocab_size"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(byte_alphabet()[: hf["vocab_size"]])
-    w.add_token_types([1] * hf["vocab_size"])
-    w.add_token_merges([])
-    w.add_eos_token_id(hf["vocab_size"] - 1)
+    if arch in GEMMA:
+        _add_sentencepiece_vocab(w, hf["vocab_size"])
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt2")
+        w.add_token_list(byte_alphabet()[: hf["vocab_size"]])
+        w.add_token_types([1] * hf["vocab_size"])
+        w.add_token_merges([])
+        w.add_eos_token_id(hf["vocab_size"] - 1)
     to_gguf = {v: k for k, v in _GLOBAL_NAMES.items()}
     layer_parts = {v: k for k, v in (_LAYER_NAMES | _ARCH_LAYER_NAMES.get(arch, {})).items()}
     layer_parts |= {"mlp.gate_up_proj": "ffn_up", "mlp.router": "ffn_gate_inp"}  # (Phi-3's fused; gpt-oss's router)
@@ -236,6 +300,8 @@ def write_gguf_of(hf_dir: Path, path: Path, expert_type: Q = Q.F32) -> None:
             part[-1] = part[-1].removesuffix("_bias")
             out = f"blk.{i}.{layer_parts['.'.join(part)]}.{kind}"
         t = t.astype(np.float32)
+        if arch in GEMMA and out.endswith("norm.weight"):  # (its norms multiply by 1 + w: llama.cpp's by the weight)
+            t = t + np.float32(1.0)
         if arch in ("llama", "smollm3") and ".attn_q." in out:
             t = permute_qk(t, heads)
         elif arch in ("llama", "smollm3") and ".attn_k." in out:
