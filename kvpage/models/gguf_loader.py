@@ -61,7 +61,7 @@ SMOLLM3_NOPE_EVERY, COHERE2_PATTERN = 4, 4
 # floor of 8,192 tokens and a strength of 0.1), q/k norms but on its 128-expert model
 LLAMA4_CHUNK, LLAMA4_NOPE_EVERY, LLAMA4_TEMPERATURE = 8192, 4, (8192.0, 0.1)
 # ... and Gemma's: windows on one layer of two (Gemma 2; 4,096 tokens unless the file says) or five of six (Gemma
-# 3, whose local layers' RoPE base is 10,000); queries scaled by 1/sqrt(head_dim), but by 1/sqrt(hidden / heads)
+# 3, whose local layers' RoPE base is 10,000 unless the file says); queries scaled by 1/sqrt(head_dim), but by 1/sqrt(hidden / heads)
 # on the 27B models (known by their layer count)
 GEMMA_PATTERN, GEMMA2_WINDOW, GEMMA3_LOCAL_THETA = {"gemma2": 2, "gemma3": 6}, 4096, 10_000.0
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -229,7 +229,8 @@ def _gemma(arch: str, meta: dict[str, Any], n: int) -> dict[str, Any]:
         sliding_window=int(window) if any(sliding) else None,
         hidden_act="gelu_pytorch_tanh", sandwich_norms=True, qk_norm=arch == "gemma3",
         query_pre_attn_scalar=hidden // heads if n == GEMMA_27B_LAYERS[arch] else head_dim,
-        embed_scale=float(hidden) ** 0.5, local_rope_theta=GEMMA3_LOCAL_THETA if arch == "gemma3" else None,
+        embed_scale=float(hidden) ** 0.5,
+        local_rope_theta=float(meta.get(f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_THETA)) if arch == "gemma3" else None,
         rope_scaling=scaling, bos_token_id=meta.get("tokenizer.ggml.bos_token_id", 2), **caps,
     )  # fmt: skip
 

@@ -127,7 +127,8 @@ def sentencepiece_vocab(size: int, space_prefix: bool = False) -> tuple[list[str
         sentence_iterator=iter([line for line in text.splitlines() if line.strip()]), model_writer=buf,
         model_type="bpe", vocab_size=size, byte_fallback=True, split_digits=True, add_dummy_prefix=space_prefix,
         normalization_rule_name="identity", remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
-        character_coverage=1.0, pad_id=0, eos_id=1, bos_id=2, unk_id=3, user_defined_symbols=SPECIALS[4:],
+        character_coverage=1.0, pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece=SPECIALS[0], eos_piece=SPECIALS[1],
+        bos_piece=SPECIALS[2], unk_piece=SPECIALS[3], user_defined_symbols=SPECIALS[4:],
         num_threads=1, minloglevel=2,
     )  # fmt: skip
     proto = sentencepiece_model_pb2.ModelProto()
@@ -137,12 +138,14 @@ def sentencepiece_vocab(size: int, space_prefix: bool = False) -> tuple[list[str
 
 
 def _add_sentencepiece_vocab(w: GGUFWriter, size: int) -> None:
-    """Gemma's kind of vocabulary, as llama.cpp's converter writes it: SentencePiece pieces, scores and types, no
-    space prefix, <bos> 2, <eos> 1, <end_of_turn> found by its text. A real one where the model's vocabulary is big
-    enough to hold the 256 byte pieces; else the specials and single characters."""
+    """Gemma's kind of vocabulary, as llama.cpp's converter writes it (checked against its output for a Gemma
+    directory with this tokenizer.model, special tokens named special in tokenizer_config.json): SentencePiece
+    pieces, scores and types, the specials CONTROL scored -1000, no space prefix, <bos> 2, <eos> 1, <end_of_turn>
+    found by its text. A real vocabulary where the model's is big enough to hold the 256 byte pieces; else the
+    specials and single characters."""
     if size >= 320:
         tokens, scores, types, _ = sentencepiece_vocab(size)
-        types[4:6] = [3, 3]  # (the turn markers: special in Gemma's tokenizer config, so CONTROL to the converter)
+        scores[:6], types[:6] = [-1000.0] * 6, [3] * 6
     else:
         chars = [chr(c) for c in range(ord("!"), ord("~") + 1)]
         tokens = (SPECIALS + ["\u2581", *chars])[:size]
@@ -150,13 +153,13 @@ def _add_sentencepiece_vocab(w: GGUFWriter, size: int) -> None:
         scores = [-float(i) for i in range(size)]
         types = [3, 3, 3, 2, 3, 3] + [1] * (size - 6)
     w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
     w.add_token_types(types)
     w.add_add_space_prefix(False)
     w.add_bos_token_id(2)
     w.add_eos_token_id(1)
-    w.add_unk_token_id(3)
     w.add_pad_token_id(0)
     w.add_add_bos_token(True)
     w.add_chat_template(GEMMA_TEMPLATE)
@@ -249,8 +252,11 @@ def write_gguf_of(hf_dir: Path, path: Path, expert_type: Q = Q.F32) -> None:
     w.add_key_length(hf.get("head_dim") or hidden // heads)
     w.add_value_length(hf.get("head_dim") or hidden // heads)
     rope = hf.get("rope_parameters") or {}
-    rope = rope.get("full_attention", rope)  # (Gemma 3's: the global layers' in the file, the local base llama.cpp's)
+    local = rope.get("sliding_attention")  # (Gemma 3's: the global layers' RoPE, and the local layers' base)
+    rope = rope.get("full_attention", rope)
     w.add_rope_freq_base(float(rope.get("rope_theta") or hf.get("rope_theta") or 10000.0))
+    if local is not None:
+        w.add_rope_freq_base_swa(float(local["rope_theta"]))
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope["factor"])
@@ -274,7 +280,8 @@ def write_gguf_of(hf_dir: Path, path: Path, expert_type: Q = Q.F32) -> None:
         w.add_expert_count(hf.get("num_experts") or hf["num_local_experts"])
         w.add_expert_used_count(hf["num_experts_per_tok"])
         w.add_expert_feed_forward_length(hf.get("moe_intermediate_size") or hf["intermediate_size"])
-    w.add_vocab_size(hf["vocab_size"])
+    if arch not in GEMMA:  # (its converter writes no vocabulary size: the token list's)
+        w.add_vocab_size(hf["vocab_size"])
     if arch in GEMMA:
         _add_sentencepiece_vocab(w, hf["vocab_size"])
     else:
