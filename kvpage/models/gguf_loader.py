@@ -51,9 +51,11 @@ _LAYER_NAMES = {
 }
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "qwen3moe": "qwen3_moe",
                   "gpt-oss": "gpt_oss", "smollm3": "smollm3", "cohere2": "cohere2",
-                  "llama4": "llama4_text", "gemma2": "gemma2", "gemma3": "gemma3_text"}  # fmt: skip
-# llama.cpp's converter permutes q and k rows of these (LLaMA's, and SmolLM3's, a LLaMA to it)
-_PERMUTED_QK = ("llama", "smollm3")
+                  "llama4": "llama4_text", "gemma2": "gemma2", "gemma3": "gemma3_text",
+                  "granitehybrid": "bamba"}  # fmt: skip
+# llama.cpp's converter permutes q and k rows of these (LLaMA's, SmolLM3's and Bamba's: LLaMAs to it; Bamba's
+# whole heads, though RoPE turns half of each)
+_PERMUTED_QK = ("llama", "smollm3", "bamba")
 # what llama.cpp's GGUFs of these families leave to its code: SmolLM3 drops RoPE on every 4th layer,
 # Cohere 2 slides on three layers of four (the fourth global, NoPE)
 SMOLLM3_NOPE_EVERY, COHERE2_PATTERN = 4, 4
@@ -61,8 +63,8 @@ SMOLLM3_NOPE_EVERY, COHERE2_PATTERN = 4, 4
 # floor of 8,192 tokens and a strength of 0.1), q/k norms but on its 128-expert model
 LLAMA4_CHUNK, LLAMA4_NOPE_EVERY, LLAMA4_TEMPERATURE = 8192, 4, (8192.0, 0.1)
 # ... and Gemma's: windows on one layer of two (Gemma 2; 4,096 tokens unless the file says) or five of six (Gemma
-# 3, whose local layers' RoPE base is 10,000 unless the file says); queries scaled by 1/sqrt(head_dim), but by 1/sqrt(hidden / heads)
-# on the 27B models (known by their layer count)
+# 3, whose local layers' RoPE base is 10,000 unless the file says); queries scaled by 1/sqrt(head_dim), but by
+# 1/sqrt(hidden / heads) on the 27B models (known by their layer count)
 GEMMA_PATTERN, GEMMA2_WINDOW, GEMMA3_LOCAL_THETA = {"gemma2": 2, "gemma3": 6}, 4096, 10_000.0
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 _GEMMA_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
@@ -72,6 +74,17 @@ _ARCH_LAYER_NAMES = {
     "gpt_oss": {"post_attention_norm": "post_attention_layernorm"},  # (its norm before the mixture)
     "gemma2": _GEMMA_NORMS,  # (four norms a layer: before and after attention and the MLP)
     "gemma3_text": _GEMMA_NORMS,
+    # Bamba (llama.cpp's granitehybrid) on its Mamba-2 layers: in_proj, the convolution, dt's bias, A (stored as
+    # -exp(A_log)), D, the gated norm, out_proj
+    "bamba": {
+        "ssm_in": "mamba.in_proj",
+        "ssm_conv1d": "mamba.conv1d",
+        "ssm_dt": "mamba.dt_bias",
+        "ssm_a": "mamba.A_log",
+        "ssm_d": "mamba.D",
+        "ssm_norm": "mamba.norm",
+        "ssm_out": "mamba.out_proj",
+    },
 }
 GPT_OSS_SWIGLU = (1.702, 7.0)  # llama.cpp's constants for gpt-oss's clamped SwiGLU (alpha, limit)
 
@@ -81,8 +94,8 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")  # blk.N.attn_q.weight
     names = _LAYER_NAMES | _ARCH_LAYER_NAMES.get(arch, {})
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
-        if parts[2] == "attn_sinks":  # (a bare parameter in transformers, no .weight)
+    if len(parts) in (3, 4) and parts[0] == "blk" and parts[2] in names:
+        if len(parts) == 3 or parts[2] in ("attn_sinks", "ssm_dt"):  # (bare parameters in transformers)
             return f"model.layers.{parts[1]}.{names[parts[2]]}"
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     raise ValueError(f"unsupported GGUF tensor {gguf_name!r}")
@@ -118,6 +131,8 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
 
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
+    kv_heads = get("attention.head_count_kv", heads)  # (a list per layer in hybrids: 0 on the state layers)
+    kv_heads = max(kv_heads) if isinstance(kv_heads, list) else kv_heads
     rope_scaling = None
     if meta.get(f"{arch}.rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
@@ -127,7 +142,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ModelC
         intermediate_size=int(get("feed_forward_length")),
         num_layers=int(get("block_count")),
         num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        num_kv_heads=int(kv_heads),
         head_dim=int(meta.get(f"{arch}.attention.key_length") or hidden // heads),
         # (Cohere's LayerNorm has its own key)
         rms_norm_eps=float(
@@ -163,6 +178,8 @@ def _family(arch: str, meta: dict[str, Any], tensor_names: set[str], n: int) -> 
         out |= _llama4(meta, tensor_names, n)
     if arch in GEMMA_PATTERN:
         out |= _gemma(arch, meta, n)
+    if arch == "granitehybrid":
+        out |= _bamba(meta, tensor_names, n)
     if arch in ("qwen3moe", "gpt-oss"):
         common = dict(num_experts=int(meta[f"{arch}.expert_count"]), top_k=int(meta[f"{arch}.expert_used_count"]),
                       intermediate_size=int(meta[f"{arch}.expert_feed_forward_length"]),
@@ -230,9 +247,50 @@ def _gemma(arch: str, meta: dict[str, Any], n: int) -> dict[str, Any]:
         hidden_act="gelu_pytorch_tanh", sandwich_norms=True, qk_norm=arch == "gemma3",
         query_pre_attn_scalar=hidden // heads if n == GEMMA_27B_LAYERS[arch] else head_dim,
         embed_scale=float(hidden) ** 0.5,
-        local_rope_theta=float(meta.get(f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_THETA)) if arch == "gemma3" else None,
+        local_rope_theta=float(meta.get(f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_THETA)) if arch == "gemma3"
+        else None,
         rope_scaling=scaling, bos_token_id=meta.get("tokenizer.ggml.bos_token_id", 2), **caps,
     )  # fmt: skip
+
+
+def _bamba(meta: dict[str, Any], tensor_names: set[str], n: int) -> dict[str, Any]:
+    """Bamba as llama.cpp's granitehybrid holds it: attention where a layer has KV heads, Mamba-2 elsewhere (its
+    heads the time-step rank), RoPE on `rope.dimension_count` of each head. The rest of that architecture (Granite
+    4's NoPE attention, its multipliers, its mixture) is refused by name."""
+    from kvpage.models.config import Mamba
+
+    a = "granitehybrid"
+    granite = [k for k in ("embedding_scale", "residual_scale", "attention.scale", "logit_scale", "expert_count")
+               if meta.get(f"{a}.{k}")]  # fmt: skip
+    if granite or not meta.get(f"{a}.rope.scaling.finetuned", False):
+        raise ValueError(f"GGUF granitehybrid: only Bamba's layout loads (RoPE, no multipliers, no mixture); this "
+                         f"file is a Granite 4 hybrid ({', '.join(granite) or 'no RoPE'})")  # fmt: skip
+    kv = meta[f"{a}.attention.head_count_kv"]
+    kv = kv if isinstance(kv, list) else [kv] * n
+    state = [i for i in range(n) if not kv[i]]
+    heads, inner = int(meta[f"{a}.ssm.time_step_rank"]), int(meta[f"{a}.ssm.inner_size"])
+    first = state[0] if state else 0
+    mamba = Mamba(heads, inner // heads, int(meta[f"{a}.ssm.group_count"]), int(meta[f"{a}.ssm.state_size"]),
+                  int(meta[f"{a}.ssm.conv_kernel"]), f"blk.{first}.ssm_conv1d.bias" in tensor_names,
+                  f"blk.{first}.ssm_in.bias" in tensor_names)  # fmt: skip
+    hidden, q_heads = int(meta[f"{a}.embedding_length"]), int(meta[f"{a}.attention.head_count"])
+    head_dim = int(meta.get(f"{a}.attention.key_length") or hidden // q_heads)
+    return dict(layer_types=tuple("full_attention" if kv[i] else "linear_attention" for i in range(n)), mamba=mamba,
+                rotary_dim=int(meta.get(f"{a}.rope.dimension_count") or head_dim))  # fmt: skip
+
+
+def _state_layers(weights: dict[str, np.ndarray], cfg: ModelConfig) -> None:
+    """Bamba's Mamba-2 tensors as its checkpoints hold them: A_log from llama.cpp's A = -exp(A_log) (in float64, so
+    exp gives A back to within float32's rounding), D and the norm flat, the convolution [channels, 1, taps]."""
+    for name in [n for n in weights if ".mamba." in n]:
+        w = weights[name]
+        if name.endswith(".A_log"):
+            w = np.log(-w.astype(np.float64)).astype(np.float32)
+        if name.endswith((".A_log", ".D", ".norm.weight", ".dt_bias")):
+            w = w.reshape(-1)
+        elif name.endswith(".conv1d.weight"):
+            w = w.reshape(w.shape[0], 1, w.shape[-1])
+        weights[name] = np.ascontiguousarray(w)
 
 
 def _gemma_norms(weights: dict[str, np.ndarray], cfg: ModelConfig) -> None:
@@ -314,4 +372,5 @@ def _read(path: Path, keep_blocks: bool):
         weights[name] = w if w.flags.writeable else w.copy()  # F32 tensors come as read-only file maps
     _join_experts(weights, cfg)
     _gemma_norms(weights, cfg)
+    _state_layers(weights, cfg)
     return cfg, tokenizer, weights, types

@@ -327,6 +327,65 @@ def test_gemma_loads_from_gguf_as_llama_cpp_writes_it(family, tmp_path):
 
 
 @pytest.mark.same_on_every_kind  # the loader's part
+def test_bamba_loads_from_gguf_as_llama_cpp_writes_it(tmp_path):
+    """llama.cpp writes Bamba as its granitehybrid: KV heads per layer (0 on the Mamba layers), the mixer's sizes,
+    q/k rows permuted as LLaMA's (whole heads, though RoPE turns half), A as -exp(A_log), the convolution, D and
+    the gated norm reshaped. It loads as the same config and weights (A_log, read back as log(-A), within float32's
+    rounding: exp gives A back to an ulp); a Granite 4 hybrid (no RoPE, multipliers) is refused by name."""
+    import transformers
+    from gguf import GGUFReader
+
+    from kvpage.models.gguf_loader import config_from_metadata
+    from tests.models.tiny_gguf import write_gguf_of
+
+    cfg = transformers.BambaConfig(**(SMALL | dict(
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1, 3], mamba_n_heads=4,
+        mamba_n_groups=2, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16)))  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.BambaForCausalLM(cfg)
+    with torch.no_grad():  # (transformers starts these at constants)
+        for n, p in hf.named_parameters():
+            if n.endswith(("norm.weight", "dt_bias", "D", "A_log", "conv1d.bias")):
+                p.normal_(0.0, 0.3)
+    hf.save_pretrained(tmp_path)
+    write_gguf_of(tmp_path, tmp_path / "model.gguf")
+    ours = load_model(str(tmp_path), dtype="float32")
+    from_gguf = load_model(str(tmp_path / "model.gguf"), dtype="float32", use_cache=False)
+    for field in ("architecture", "layer_types", "mamba", "rotary_dim", "num_kv_heads", "head_dim", "rope_theta",
+                  "tie_word_embeddings", "intermediate_size"):  # fmt: skip
+        assert getattr(from_gguf.config, field) == getattr(ours.config, field), field
+    assert ours.config.rotary_dim == 8 and ours.config.mamba.num_groups == 2
+    a, b = dict(ours.model.named_parameters()), dict(from_gguf.model.named_parameters())
+    assert a.keys() == b.keys()
+    for name in a:
+        if name.endswith("A_log"):
+            # (A is near -1 or below: an ulp of A is about 1e-7 in A_log, whatever A_log's own size)
+            torch.testing.assert_close(b[name], a[name], rtol=0, atol=2.5e-7 * a[name].exp().max().item())
+            torch.testing.assert_close(-torch.exp(b[name]), -torch.exp(a[name]), rtol=2.5e-7, atol=0)
+        else:
+            assert torch.equal(a[name], b[name]), name
+    # through the engine, from the GGUF: greedy tokens as transformers' (a prompt across two 16-token blocks)
+    from kvpage import LLM, SamplingParams
+
+    llm = LLM(str(tmp_path / "model.gguf"), dtype="float32", num_kv_blocks=16, block_size=16)
+    prompt = [(i * 7) % 90 + 3 for i in range(21)]
+    got = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    with torch.no_grad():
+        want = hf.eval().generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
+    assert got.token_ids == want
+    assert_pool_clean(llm.llm_engine.kv_manager)
+    reader = GGUFReader(str(tmp_path / "model.gguf"))
+    from kvpage.models.gguf_loader import _metadata
+
+    meta = _metadata(reader)
+    with pytest.raises(ValueError, match="Granite 4 hybrid.*embedding_scale"):
+        config_from_metadata(meta | {"granitehybrid.embedding_scale": 12.0}, {t.name for t in reader.tensors})
+    with pytest.raises(ValueError, match="Granite 4 hybrid.*no RoPE"):
+        config_from_metadata(meta | {"granitehybrid.rope.scaling.finetuned": False}, {t.name for t in reader.tensors})
+
+
+@pytest.mark.same_on_every_kind  # the loader's part
 @pytest.mark.parametrize(("arch", "layers", "scalar"), [("gemma2", 46, 144), ("gemma2", 42, 256), ("gemma3", 62, 168),
                                                         ("gemma3", 34, 256)])  # fmt: skip
 def test_gemma_query_scale_follows_llama_cpps_rule_for_27b(arch, layers, scalar):

@@ -101,7 +101,8 @@ def write_tiny_llama(path: Path, types: dict[str, Q], *, tied: bool = False, see
     w.close()
 
 
-LLAMA_CPP_ARCH = {"qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss", "llama4_text": "llama4", "gemma3_text": "gemma3"}
+LLAMA_CPP_ARCH = {"qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss", "llama4_text": "llama4", "gemma3_text": "gemma3",
+                  "bamba": "granitehybrid"}  # fmt: skip
 GEMMA = ("gemma2", "gemma3_text")
 GEMMA_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
@@ -225,6 +226,46 @@ def _experts(tensors: dict[str, np.ndarray], arch: str) -> dict[str, np.ndarray]
     return out
 
 
+def _bamba_keys(w: GGUFWriter, hf: dict) -> None:
+    """Bamba's keys as llama.cpp's converter writes its granitehybrid: KV heads per layer (0 on the Mamba layers),
+    the RoPE'd width of a head, the mixer's sizes (its heads as the time-step rank), RoPE on."""
+    n, heads, hidden = hf["num_hidden_layers"], hf["num_attention_heads"], hf["hidden_size"]
+    head_dim = hf.get("head_dim") or hidden // heads
+    attn = set(hf["attn_layer_indices"])
+    w.add_head_count_kv([hf["num_key_value_heads"] if i in attn else 0 for i in range(n)])
+    w.add_rope_dimension_count(int(head_dim * (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5)))
+    w.add_ssm_conv_kernel(hf["mamba_d_conv"])
+    w.add_ssm_state_size(hf["mamba_d_state"])
+    w.add_ssm_group_count(hf["mamba_n_groups"])
+    w.add_ssm_inner_size(hf["mamba_expand"] * hidden)
+    w.add_ssm_time_step_rank(hf["mamba_n_heads"])
+    w.add_rope_scaling_finetuned(True)
+
+
+def _bamba_tensor(name: str, t: np.ndarray, groups: int) -> tuple[str, np.ndarray]:
+    """A Bamba checkpoint tensor as llama.cpp's converter writes it: LLaMA's names for the MLP and norms, the
+    mixer's as its ssm_* tensors, A as -exp(A_log), D and the norm as rows, the convolution [channels, taps]."""
+    import torch
+
+    from kvpage.models.loader import RENAMES
+
+    for a, b in RENAMES["bamba"]:
+        name = name.replace(a, b)
+    if ".mamba." not in name:
+        return name, t
+    i, part = name.split(".")[2], name.split(".mamba.")[1]
+    if part == "A_log":  # (as the converter computes it: in torch)
+        return f"blk.{i}.ssm_a", -torch.exp(torch.from_numpy(t).float()).numpy().reshape(-1, 1)
+    if part in ("D", "dt_bias"):
+        return (f"blk.{i}.ssm_d", t.reshape(-1, 1)) if part == "D" else (f"blk.{i}.ssm_dt.bias", t)
+    if part == "conv1d.weight":
+        return f"blk.{i}.ssm_conv1d.weight", t.reshape(t.shape[0], t.shape[-1])
+    if part == "norm.weight":  # (the inner width in its groups)
+        return f"blk.{i}.ssm_norm.weight", t.reshape(groups, -1)
+    module, kind = part.split(".")
+    return f"blk.{i}.{dict(conv1d='ssm_conv1d', in_proj='ssm_in', out_proj='ssm_out')[module]}.{kind}", t
+
+
 def write_gguf_of(hf_dir: Path, path: Path, expert_type: Q = Q.F32) -> None:
     """The Hugging Face model saved in `hf_dir` (config.json, model.safetensors) as llama.cpp's converter
     writes it: llama.cpp's tensor names and metadata keys for its architecture, float32 tensors (a mixture's
@@ -239,18 +280,21 @@ def write_gguf_of(hf_dir: Path, path: Path, expert_type: Q = Q.F32) -> None:
     hf = json.loads((hf_dir / "config.json").read_text())
     arch = hf["model_type"]
     assert arch in ("llama", "qwen2", "qwen3", "phi3", "qwen3_moe", "gpt_oss", "smollm3", "cohere2", "llama4_text",
-                    *GEMMA), arch  # fmt: skip
+                    "bamba", *GEMMA), arch  # fmt: skip
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     kv_heads = hf.get("num_key_value_heads") or heads
     w = GGUFWriter(str(path), LLAMA_CPP_ARCH.get(arch, arch))
+    if arch == "bamba":
+        _bamba_keys(w, hf)
     w.add_block_count(hf["num_hidden_layers"])
     w.add_context_length(hf["max_position_embeddings"])
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(hf.get("intermediate_size_mlp") or hf["intermediate_size"])
     w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_key_length(hf.get("head_dim") or hidden // heads)
-    w.add_value_length(hf.get("head_dim") or hidden // heads)
+    if arch != "bamba":  # (a list per layer there)
+        w.add_head_count_kv(kv_heads)
+        w.add_key_length(hf.get("head_dim") or hidden // heads)
+        w.add_value_length(hf.get("head_dim") or hidden // heads)
     rope = hf.get("rope_parameters") or {}
     local = rope.get("sliding_attention")  # (Gemma 3's: the global layers' RoPE, and the local layers' base)
     rope = rope.get("full_attention", rope)
@@ -295,7 +339,11 @@ def write_gguf_of(hf_dir: Path, path: Path, expert_type: Q = Q.F32) -> None:
     layer_parts = {v: k for k, v in (_LAYER_NAMES | _ARCH_LAYER_NAMES.get(arch, {})).items()}
     layer_parts |= {"mlp.gate_up_proj": "ffn_up", "mlp.router": "ffn_gate_inp"}  # (Phi-3's fused; gpt-oss's router)
     for name, t in _experts(load_file(str(hf_dir / "model.safetensors")), arch).items():
-        if name in to_gguf:
+        if arch == "bamba":
+            name, t = _bamba_tensor(name, t, hf["mamba_n_groups"])
+        if name.startswith("blk."):  # (named as llama.cpp names it already)
+            out = name
+        elif name in to_gguf:
             out = to_gguf[name]
         elif name.endswith(".sinks"):  # model.layers.N.self_attn.sinks
             out = f"blk.{name.split('.')[2]}.attn_sinks.weight"
@@ -309,9 +357,9 @@ def write_gguf_of(hf_dir: Path, path: Path, expert_type: Q = Q.F32) -> None:
         t = t.astype(np.float32)
         if arch in GEMMA and out.endswith("norm.weight"):  # (its norms multiply by 1 + w: llama.cpp's by the weight)
             t = t + np.float32(1.0)
-        if arch in ("llama", "smollm3") and ".attn_q." in out:
+        if arch in ("llama", "smollm3", "bamba") and ".attn_q." in out:
             t = permute_qk(t, heads)
-        elif arch in ("llama", "smollm3") and ".attn_k." in out:
+        elif arch in ("llama", "smollm3", "bamba") and ".attn_k." in out:
             t = permute_qk(t, kv_heads)
         if out.endswith("_exps.weight") and expert_type != Q.F32:
             w.add_tensor(out, quantize(np.ascontiguousarray(t), expert_type), raw_dtype=expert_type)
