@@ -22,6 +22,7 @@ _EXPORTS = {
     "EngineConfig": "kvpage.config",
     "SamplingParams": "kvpage.sampling_params",
     "BeamSearchParams": "kvpage.sampling_params",
+    "StructuredOutputsParams": "kvpage.structured.params",
     "RequestOutput": "kvpage.outputs",
     "CompletionOutput": "kvpage.outputs",
     "Logprob": "kvpage.outputs",

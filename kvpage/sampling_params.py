@@ -10,6 +10,7 @@ from typing import Any
 
 from kvpage.core.eviction import NO_EVICTION, EvictionPolicy, parse_eviction
 from kvpage.errors import ParameterError
+from kvpage.structured.params import StructuredOutputsParams, parse_structured_outputs
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs: at most this many top log-probabilities per position
@@ -71,6 +72,9 @@ class _SamplingFields:
     # Tokens each decode step may read of the cache, the blocks chosen by their keys' bounds (Quest;
     # kvpage/attention/key_bounds.py): None, the engine's kv_read_budget; 0, every block.
     kv_read_budget: int | None = None
+    # the output constrained to a JSON schema, a regex, a choice or a grammar (kvpage/structured/): the params
+    # object or a mapping of its fields (vLLM's names); parsed here
+    structured_outputs: StructuredOutputsParams | Any = None
 
 
 class SamplingParams(_SamplingFields):
@@ -130,6 +134,7 @@ class SamplingParams(_SamplingFields):
                 raise ParameterError(_field(name), f"{name} must be true or false, got {getattr(self, name)!r}")
         self.kv_eviction = parse_kv_eviction(self.kv_eviction)
         _int("kv_read_budget", self.kv_read_budget, 0, allow_none=True)
+        self.structured_outputs = parse_structured_outputs(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -150,6 +155,7 @@ class _BeamFields:
     include_stop_str_in_output: bool = False
     kv_eviction: EvictionPolicy | Any = None  # as SamplingParams.kv_eviction
     kv_read_budget: int | None = None  # as SamplingParams.kv_read_budget
+    structured_outputs: StructuredOutputsParams | Any = None  # as SamplingParams.structured_outputs: every beam
 
 
 class BeamSearchParams(_BeamFields):
@@ -172,6 +178,7 @@ class BeamSearchParams(_BeamFields):
             raise ParameterError("ignore_eos", f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         self.kv_eviction = parse_kv_eviction(self.kv_eviction)
         _int("kv_read_budget", self.kv_read_budget, 0, allow_none=True)
+        self.structured_outputs = parse_structured_outputs(self.structured_outputs)
 
 
 def parse_kv_eviction(spec: Any) -> EvictionPolicy | None:

@@ -104,6 +104,14 @@ class Scheduler(Intake):
         else:
             self.waiting.append(req)
 
+    def reject(self, req: Request, reason: str) -> None:
+        """Fail a request that never queued (a client's error found after it was added: a structured output
+        that cannot be compiled); the next step reports it."""
+        if req.request_id in self.requests or req.request_id in self._failed:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self._fail(req, reason, rejected=True)
+
     def abort_request(self, request_id: str) -> Request | None:
         """End a request now; its blocks go back to the pool. Unknown ids return None."""
         self._failed.pop(request_id, None)

@@ -113,6 +113,8 @@ class BeamSearch:
         running: list[tuple[Sequence, int, torch.Tensor, _Step]] = []
         new_finished = []
         for j in range(num_cand):
+            if not torch.isfinite(vals[j]):
+                break  # (a structured output's forbidden tokens, -inf: fewer beams go on rather than take one)
             r = int(idx[j]) // vocab
             parent = by_index[order[r]]
             token = int(idx[j]) % vocab

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
@@ -39,6 +40,7 @@ from kvpage.engine.segment_prompts import SegmentCompiler, SegmentedPrompt, prom
 from kvpage.errors import TensorParallelFailure
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams, parse_kv_eviction
+from kvpage.structured.grammars import StructuredOutputs
 from kvpage.worker.model_runner import ModelRunnerOutput
 from kvpage.worker.sampler import Sampler
 from kvpage.worker.step_hooks import ReadBudgetCount
@@ -69,6 +71,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, max_model_len)
         self.segments = SegmentCompiler()  # prompts of segments held until their segments' KV is cached
         self.sampler = Sampler()  # the generators of every sample, their rows, the draws
+        # structured outputs: grammars compiled in a worker thread, each constrained sequence's matcher, the masks
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
+        self._compiling: dict[str, tuple[Request, Future, set[str]]] = {}  # requests waiting for their grammar
         self._states: dict[str, RequestState] = {}
         self._arrivals = 0
         self._rng = random.Random(config.seed)
@@ -126,7 +131,11 @@ class LLMEngine:
         self._arrivals += 1
         st = self._request_state(req, params, text, is_beam, want_plp)
         waits = self._compile_segments(request_id, token_lists, cache_salt, recompute) if spans else set()
-        if waits:
+        constraint = params.structured_outputs
+        if constraint is not None:  # (checked at once; compiled for the vocabulary in a worker thread)
+            self.structured.check(constraint)
+            self._compiling[request_id] = (req, self.structured.submit(constraint), waits)
+        elif waits:
             self.segments.hold(req, waits)  # it enters the scheduler once its segments are cached
         else:
             self.scheduler.add_request(req)  # one that can never be scheduled is reported by the next step
@@ -221,8 +230,10 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Stop a request now; its blocks go back to the pool. Unknown ids are ignored."""
         if self._states.pop(request_id, None) is not None:
-            self.scheduler.abort_request(request_id)
+            if self._compiling.pop(request_id, None) is None:
+                self.scheduler.abort_request(request_id)
             self.sampler.forget(request_id)
+            self.structured.forget(request_id)
             for req in self.segments.ended(request_id) if self.segments.is_internal(request_id) else []:
                 self.scheduler.add_request(req)  # (a segment's own prefill, aborted: who waited on it goes on)
             for cid in self.segments.release(request_id):  # its segments' prefills nobody else waits on
@@ -290,8 +301,30 @@ class LLMEngine:
             close()
 
     # ------------------------------------------------------------------ one step
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is compiled go on (to the scheduler, or to wait for their segments); one whose
+        grammar cannot be compiled fails alone. With nothing else to run, the step waits for a grammar (briefly:
+        the server's commands keep coming)."""
+        if not self._compiling:
+            return
+        if not self.scheduler.has_unfinished():
+            wait([f for _, f, _ in self._compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+        for rid, (req, fut, waits) in list(self._compiling.items()):
+            if not fut.done():
+                continue
+            del self._compiling[rid]
+            if fut.exception() is not None:
+                self.scheduler.reject(req, f"request {rid!r} failed: {fut.exception()}")
+                continue
+            self.structured.start(rid, fut.result())
+            if waits:
+                self.segments.hold(req, waits)
+            else:
+                self.scheduler.add_request(req)
+
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self._admit_compiled()
         self.kv_manager.fetch_remote()  # what the last schedule asked of the shared tier, before this one
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -384,6 +417,7 @@ class LLMEngine:
             if out.finished:
                 self._states.pop(out.request_id, None)
                 self.sampler.forget(out.request_id)
+                self.structured.forget(out.request_id)
                 if internal:  # a segment's own prefill: the requests waiting on it go to the scheduler
                     for req in self.segments.ended(out.request_id):
                         self.scheduler.add_request(req)
@@ -416,16 +450,32 @@ class LLMEngine:
                 targets.append((index, parent.index, parent, row))
         rows = [self.sampler.row(req.request_id, st.seed, index, params, seq.token_ids, seq.num_prompt_tokens,
                                  st.stop_token_ids, row) for index, _, seq, row in targets]  # fmt: skip
-        for (index, parent, seq, _), tok in zip(targets, self.sampler.sample(logits, rows), strict=True):
+        matchers = self.structured.matchers(req.request_id)
+        outs = [list(seq.token_ids[seq.num_prompt_tokens :]) for _, _, seq, _ in targets]
+        if matchers is not None:  # each sample's matcher at its tokens; its mask on its row
+            allowed = self.structured.allowed(matchers.sync([(t[0], out) for t, out in zip(targets, outs)]))
+            for r, mask in zip(rows, allowed, strict=True):
+                r.allowed = mask
+        sampled = self.sampler.sample(logits, rows)
+        done = matchers.sync([(t[0], out + [tok.token_id]) for t, out, tok in zip(targets, outs, sampled)]) \
+            if matchers is not None else [None] * len(targets)  # fmt: skip
+        for (index, parent, seq, _), tok, m in zip(targets, sampled, done, strict=True):
             reason, stop = self.outputs.accept(st, index, seq.token_ids, seq.num_prompt_tokens, tok)
+            if reason is None and m is not None and m.terminated:  # (its stop token, taken though ignore_eos)
+                reason = "stop"
             update.sequences.append(SeqUpdate(index, tok.token_id, parent, reason, stop))
 
     def _beam_step(self, st: RequestState, seq_rows, logits: torch.Tensor, update: RequestUpdate) -> None:
         beam = st.beam
         assert beam is not None
         req = st.request
-        for seq, row in seq_rows:
-            beam.set_logits(seq, logits[row])
+        matchers = self.structured.matchers(req.request_id)
+        allowed = [None] * len(seq_rows)
+        if matchers is not None:  # each beam's matcher at its tokens (beams that continue one beam copy its)
+            tokens = [(seq.index, list(seq.token_ids[seq.num_prompt_tokens :])) for seq, _ in seq_rows]
+            allowed = list(self.structured.allowed(matchers.sync(tokens)))
+        for (seq, row), mask in zip(seq_rows, allowed, strict=True):
+            beam.set_logits(seq, logits[row] if mask is None else logits[row].masked_fill(~mask, float("-inf")))
         if not beam.ready(req.live_sequences):
             return  # some beams are still catching up (after a recompute): wait for them
         plan = beam.step(req.live_sequences)

@@ -1,6 +1,7 @@
 """The sampler: from a batch of logits to one token per row, with per-row settings.
 
-    logits -> log-probabilities (returned, from the raw logits, as vLLM does)
+    logits -> a structured output's mask (tokens its grammar forbids: -inf)
+           -> log-probabilities (returned, from those logits, as vLLM does)
            -> logit bias -> repetition / presence / frequency penalties -> banned tokens (min_tokens)
            -> greedy rows: argmax
            -> others: temperature -> top-k -> top-p -> min-p -> a draw from the row's own generator
@@ -41,6 +42,7 @@ class SamplingRow:
     logit_bias: dict[int, float] | None = None  # added to the logits before penalties and sampling
     generator: torch.Generator | None = None
     num_logprobs: int | None = None  # top-k log-probabilities to return (0: only the sampled token's)
+    allowed: torch.Tensor | None = None  # bool [vocab]: the tokens a structured output allows next (None: all)
 
     @property
     def greedy(self) -> bool:
@@ -138,16 +140,19 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
     """One token per row. `logits` is [num_logits_rows, vocab] float32."""
     out: list[SampledToken] = []
     logprobs = None
-    if any(r.num_logprobs is not None for r in rows):
+    if any(r.num_logprobs is not None and r.allowed is None for r in rows):
         logprobs = torch.log_softmax(logits, dim=-1)
     # plain greedy rows (no penalty, nothing banned) are one argmax over all of them
-    plain = [i for i, r in enumerate(rows) if r.greedy and not _penalized(r)]
+    plain = [i for i, r in enumerate(rows) if r.greedy and not _penalized(r) and r.allowed is None]
     argmax = dict(zip(plain, logits[[rows[i].logits_row for i in plain]].argmax(-1).tolist(), strict=True))
     for i, row in enumerate(rows):
         if i in argmax:
             out.append(_with_logprobs(SampledToken(argmax[i]), row, logprobs))
             continue
         x = logits[row.logits_row]
+        masked = None
+        if row.allowed is not None:  # (a copy: samples of one prompt share a logits row)
+            x = masked = x.masked_fill(~row.allowed, float("-inf"))
         if _penalized(row):
             x = _apply_penalties(x.clone(), row)
         if row.greedy:
@@ -157,7 +162,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, using only this row's generator.
             noise = exponential_noise(probs.numel(), row.generator, probs.device, probs.dtype)
             token = int(torch.argmax(probs / noise))
-        out.append(_with_logprobs(SampledToken(token), row, logprobs))
+        out.append(_with_logprobs(SampledToken(token), row, logprobs, masked))
     return out
 
 
@@ -182,7 +187,12 @@ def _penalized(row: SamplingRow) -> bool:
     )
 
 
-def _with_logprobs(st: SampledToken, row: SamplingRow, logprobs: torch.Tensor | None) -> SampledToken:
+def _with_logprobs(st: SampledToken, row: SamplingRow, logprobs: torch.Tensor | None,
+                   masked: torch.Tensor | None = None) -> SampledToken:  # fmt: skip
+    """The sampled token's log-probability, rank and the top ones: from the row's logits, or from `masked`
+    (a structured output's logits, its forbidden tokens -inf)."""
+    if masked is not None and row.num_logprobs is not None:
+        logprobs, row = torch.log_softmax(masked, -1)[None], SamplingRow(0, num_logprobs=row.num_logprobs)
     if row.num_logprobs is not None and logprobs is not None:
         lp = logprobs[row.logits_row]
         st.logprob = float(lp[st.token_id])
