@@ -132,8 +132,9 @@ class LLMEngine:
         st = self._request_state(req, params, text, is_beam, want_plp)
         waits = self._compile_segments(request_id, token_lists, cache_salt, recompute) if spans else set()
         constraint = params.structured_outputs
-        if constraint is not None:  # (checked at once; compiled for the vocabulary in a worker thread)
-            self.structured.check(constraint)
+        if constraint is not None:  # (checked at once unless compiled already; compiled in a worker thread)
+            if not self.structured.submitted(constraint):
+                self.structured.check(constraint)
             self._compiling[request_id] = (req, self.structured.submit(constraint), waits)
         elif waits:
             self.segments.hold(req, waits)  # it enters the scheduler once its segments are cached

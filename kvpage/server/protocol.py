@@ -89,6 +89,28 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool = False  # vLLM's: every chunk carries the usage so far
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema: the schema under `schema` (a name, as OpenAI requires)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: Text = Field(max_length=64)
+    description: Text | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema: given exactly when type is json_schema")
+        return self
+
+
 class _Common(_Request):
     model: Text | None = Field(None, description="the served model's name; left out: the served model (vLLM's)")
     n: StrictInt = Field(1, ge=1, le=MAX_N)
@@ -126,6 +148,14 @@ class _Common(_Request):
     # kvpage's extension: this request's eviction policy (core/eviction/), e.g. {"policy": "streaming",
     # "sink_tokens": 4, "window_tokens": 1020} or "h2o:heavy_tokens=256,recent_tokens=256" or "none"
     kv_eviction: Text | dict[Text, Text | StrictInt] | None = None
+    # structured outputs: OpenAI's response_format, vLLM's guided_* and structured_outputs (one of them)
+    response_format: ResponseFormat | None = Field(None, description="text, json_object, or json_schema with a schema")
+    guided_json: Text | dict | None = Field(None, description="vLLM's: a JSON schema the output follows")
+    guided_regex: Text | None = Field(None, description="vLLM's: a regex the output matches")
+    guided_choice: list[Text] | None = Field(None, description="vLLM's: the output is one of these strings")
+    guided_grammar: Text | None = Field(None, description="vLLM's: an EBNF grammar (start rule `root`)")
+    structured_outputs: dict | None = Field(None, description=(
+        "vLLM's: one of json, regex, choice, grammar, json_object (and disable_any_whitespace)"))  # fmt: skip
     kv_read_budget: StrictInt | None = Field(None, ge=0, description=(
         "kvpage's: tokens each decode step may read of the KV cache past the first layers, the blocks "
         "chosen by their keys' bounds (Quest); 0 reads every block; default: the server's --kv-read-budget. "

@@ -22,6 +22,7 @@ from kvpage.sampling_params import BeamSearchParams, SamplingParams, parse_kv_ev
 from kvpage.server.async_engine import AsyncEngine, EngineUnavailable
 from kvpage.server.errors import APIError
 from kvpage.server.streaming import merge
+from kvpage.structured.params import StructuredOutputsParams, parse_structured_outputs
 
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
 _TOKENIZER_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpage-tokenizer")
@@ -47,6 +48,41 @@ def translate(e: BaseException) -> BaseException:
     if isinstance(e, RuntimeError):
         return APIError(500, str(e))
     return e
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def constraint_field(req) -> str | None:
+    """Which of a request's fields asks for a structured output (None: none does); two of them are a 400."""
+    text = req.response_format is not None and req.response_format.type == "text"  # (no constraint)
+    names = ("response_format", *_GUIDED, "structured_outputs")
+    given = [n for n in names if getattr(req, n) is not None and not (n == "response_format" and text)]
+    if len(given) > 1:
+        raise APIError(400, f"{given[1]}: give one of {given[0]} and {given[1]}, not both", param=given[1])
+    return given[0] if given else None
+
+
+def structured_outputs_of(req) -> StructuredOutputsParams | None:
+    """The engine's structured output for a request body (OpenAI's response_format, vLLM's guided_* or its
+    structured_outputs), or None; a bad value is a 400 naming the field."""
+    field = constraint_field(req)
+    if field is None:
+        return None
+    try:
+        if field == "response_format":
+            rf = req.response_format
+            if rf.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {"type": "object"}
+            return StructuredOutputsParams(json=schema)
+        if field in _GUIDED:
+            return StructuredOutputsParams(**{_GUIDED[field]: getattr(req, field)})
+        return parse_structured_outputs(req.structured_outputs)
+    except ParameterError as e:
+        if field == "structured_outputs":
+            raise APIError(400, str(e), param=e.param) from None
+        raise APIError(400, f"{field}: {e}", param=field) from None
 
 
 async def until_disconnected(raw_request: Request, work: Awaitable):
@@ -137,6 +173,7 @@ class OpenAIServing:
             if tok >= vocab:
                 raise APIError(400, f"logit_bias: token id {tok} is outside the vocabulary [0, {vocab})",
                                param="logit_bias")  # fmt: skip
+        structured = structured_outputs_of(req)
         try:
             if req.use_beam_search:
                 for name, unsupported in (("logprobs", logprobs is not None),
@@ -147,8 +184,10 @@ class OpenAIServing:
                 return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
                                         length_penalty=float(req.length_penalty),
                                         include_stop_str_in_output=req.include_stop_str_in_output,
-                                        kv_eviction=eviction, kv_read_budget=req.kv_read_budget)  # fmt: skip
+                                        kv_eviction=eviction, kv_read_budget=req.kv_read_budget,
+                                        structured_outputs=structured)  # fmt: skip
             kw = dict(n=req.n, max_tokens=max_tokens, stop=req.stop, seed=req.seed, logprobs=logprobs,
+                      structured_outputs=structured,
                       prompt_logprobs=prompt_logprobs, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
                       stop_token_ids=req.stop_token_ids, skip_special_tokens=req.skip_special_tokens,
                       include_stop_str_in_output=req.include_stop_str_in_output,
@@ -162,6 +201,22 @@ class OpenAIServing:
             return SamplingParams(**kw)
         except ValueError as e:  # a ParameterError names its field
             raise APIError(400, str(e), param=e.param if isinstance(e, ParameterError) else None) from None
+
+    async def compile_constraint(self, req, params) -> None:
+        """A structured output compiled before its request reaches the engine (in the grammar thread; the engine
+        then finds it cached and never compiles on its own thread); one that cannot be is a 400 naming the field."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        field = constraint_field(req)
+        try:
+            if not self.engine.structured.submitted(spec):
+                await off_loop(self.engine.structured.check, spec)
+            await asyncio.wrap_future(self.engine.structured.submit(spec))
+        except ParameterError as e:
+            if field == "structured_outputs":  # (its own fields named as they are: structured_outputs.json, ...)
+                raise APIError(400, str(e), param=e.param) from None
+            raise APIError(400, f"{field}: {e}", param=field) from None
 
     def cache_salt(self, req, raw_request: Request) -> str | None:
         """The request's prefix-cache salt: its own `cache_salt`, and its tenant's with --salt-cache-per-key."""

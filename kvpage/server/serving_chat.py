@@ -36,6 +36,7 @@ class ChatServing(OpenAIServing):
                                        budget_field)  # fmt: skip
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = self.params(req, max_tokens, top, req.prompt_logprobs, eviction)
+        await self.compile_constraint(req, params)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         gens = self.generators(rid, [ids], params, self.cache_salt(req, raw_request))
         run = _Run(self, rid, req, ids)

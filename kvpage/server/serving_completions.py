@@ -62,6 +62,7 @@ class CompletionServing(OpenAIServing):
         echo_lp = req.echo and req.logprobs is not None
         plp = max(req.prompt_logprobs or 0, req.logprobs or 0) if echo_lp or req.prompt_logprobs is not None else None
         params = self.params(req, max_tokens, req.logprobs, plp, eviction)
+        await self.compile_constraint(req, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         gens = self.generators(
             rid, [segmented] if segmented else token_lists, params, self.cache_salt(req, raw_request)

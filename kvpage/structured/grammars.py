@@ -75,6 +75,12 @@ class StructuredOutputs:
         except Exception as e:  # noqa: BLE001 - the engine's many error types: all mean "cannot compile this"
             raise ParameterError(field, f"{field} cannot be compiled: {_first_line(e)}") from None
 
+    def submitted(self, spec: StructuredOutputsParams) -> bool:
+        """Whether the constraint is compiled already (a check would only repeat what compiling found)."""
+        with self._lock:
+            fut = self._cache.get(spec.key())
+        return fut is not None and fut.done() and fut.exception() is None
+
     def submit(self, spec: StructuredOutputsParams) -> Future:
         """The constraint compiled for the vocabulary (a Future; at once if it is cached)."""
         key = spec.key()

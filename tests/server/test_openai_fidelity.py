@@ -332,8 +332,8 @@ def test_unknown_fields_are_ignored_and_named_in_a_header_and_the_log(server, ca
     """vLLM accepts a field it does not know and logs it; kvpage does too, and names it to the client."""
     caplog.set_level(logging.WARNING, logger="kvpage.server")
     hi = [{"role": "user", "content": "Hi"}]
-    odd = {"response_format": {"type": "text"}, "zz, top\n": 1}  # any JSON string can be a key
-    header = "response_format,zz%2C%20top%0A"
+    odd = {"service_tier": "auto", "zz, top\n": 1}  # any JSON string can be a key
+    header = "service_tier,zz%2C%20top%0A"
     cases = [
         ("/v1/chat/completions", {"model": "smollm2", "messages": hi, "max_tokens": 2, "temperature": 0}),
         ("/v1/chat/completions", {"model": "smollm2", "messages": hi, "max_tokens": 2, "stream": True}),
@@ -350,7 +350,7 @@ def test_unknown_fields_are_ignored_and_named_in_a_header_and_the_log(server, ca
         assert r.content == plain.content or path.startswith("/v1/"), path  # the same answer otherwise
         warnings = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
         assert warnings == ["The following fields were present in the request but ignored: "
-                            "['response_format', 'zz, top\\n']"], path  # fmt: skip
+                            "['service_tier', 'zz, top\\n']"], path  # fmt: skip
     many = post(server, "/tokenize", {"prompt": "Hi", **{f"f{i:02}": 1 for i in range(20)}})
     assert many.headers["x-kvpage-ignored-fields"] == ",".join(f"f{i:02}" for i in range(16)) + ",+4"
     assert_pool_free(server)
