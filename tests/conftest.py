@@ -167,7 +167,7 @@ def server():
     """One live kvpage server (tests/server/conftest.py), shared by the server and fleet tests."""
     from tests.server.conftest import start_server, stop_server
 
-    s = start_server()
+    s = start_server(app_kw={"tool_call_parser": "hermes"})  # (tool_choice "auto" served: Hermes' format)
     yield s
     stop_server(s)
 

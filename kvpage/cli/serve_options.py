@@ -54,6 +54,16 @@ class ServeOptions:
         flag="--enable-force-include-usage",
         app=True,
     )
+    tool_call_parser: str | None = option(
+        None,
+        'how tool_choice "auto" finds tool calls in an answer: the chat-template family\'s format (hermes: '
+        "Hermes / Qwen's <tool_call>; llama3_json; mistral: [TOOL_CALLS]); without it, auto is refused",
+        choices=["hermes", "llama3_json", "mistral"],
+        app=True,
+    )
+    enable_auto_tool_choice: bool = option(
+        False, "vLLM's flag, accepted: auto tool choice is on wherever --tool-call-parser is given", app=True
+    )
     max_body_bytes: int = option(1 << 20, "largest request body (default 1 MiB)", type=int, app=True)
     body_timeout: float = option(
         30.0, "seconds a request body may take to arrive, else 408 (default 30)", type=float, app=True

@@ -100,12 +100,17 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:  # fmt: skip
         """The conversation as the model's chat text (for display; to tokenize it, use `encode_chat`)."""
-        return self._render(messages, add_generation_prompt)
+        return self._render(messages, add_generation_prompt, tools)
 
     def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, continue_final_message: bool = False
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """The conversation's token ids, where only the template's own markup becomes control tokens:
         a message containing "<|im_end|>" is tokenized as that text, never as the control token (else
@@ -115,10 +120,10 @@ class Tokenizer:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         nonce = secrets.token_hex(8)
         marked = [{**m, "content": f"\ue000{nonce}:{i}\ue001"} for i, m in enumerate(messages)]
-        rendered = self._render(marked, add_generation_prompt)
+        rendered = self._render(marked, add_generation_prompt, tools)
         parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)
         contents = [str(m.get("content") or "") for m in messages]
-        plain = self._render(messages, add_generation_prompt)
+        plain = self._render(messages, add_generation_prompt, tools)
         if "".join(contents[int(p)] if i % 2 else p for i, p in enumerate(parts)) != plain:
             # the template transforms content (strips it, say): it cannot be split around it
             specials = [t for t in self.special_token_texts if any(t in c for c in contents)]
@@ -179,7 +184,7 @@ class Tokenizer:
             self._space_prefix = json.dumps(spec) != json.dumps(_no_space_prefix(spec))
         return self._space_prefix
 
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
         if self._template is None:  # compiled once
@@ -197,6 +202,7 @@ class Tokenizer:
         return self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,  # (OpenAI's tool definitions, for templates that show them: Hugging Face's convention)
             bos_token=tok(self.bos_token_id) if self.bos_token_id is not None else "",
             eos_token=tok(self.eos_token_ids[0]) if self.eos_token_ids else "",
         )

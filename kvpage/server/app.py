@@ -60,6 +60,8 @@ def build_app(
     force_include_usage: bool = False,
     metrics_prefix: str = "kvpage",
     return_tokens_as_token_ids: bool = False,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
     dashboard=None,
 ):
     """The ASGI app over one LLMEngine in this process, or over another engine client (engine_client.py:
@@ -81,7 +83,9 @@ def build_app(
         aengine = client
     serving = dict(max_prompts_per_request=max_prompts_per_request, salt_cache_per_key=salt_cache_per_key,
                    force_include_usage=force_include_usage,
-                   return_tokens_as_token_ids=return_tokens_as_token_ids)  # fmt: skip
+                   return_tokens_as_token_ids=return_tokens_as_token_ids,
+                   tool_call_parser=tool_call_parser)  # fmt: skip
+    del enable_auto_tool_choice  # (vLLM's flag: auto tool choice is on wherever a parser is given)
     completions = CompletionServing(aengine, served_model_name, **serving)
     chat = ChatServing(aengine, served_model_name, **serving)
     tokens = TokenServing(aengine, served_model_name, **serving)

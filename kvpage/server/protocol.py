@@ -10,6 +10,8 @@ and (app.py) the response's x-kvpage-ignored-fields header.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 from typing import Annotated, Literal
 
@@ -235,11 +237,58 @@ class CompletionRequest(_Common):
         return self
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Annotated[Text, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: dict
+
+    @field_validator("function")
+    @classmethod
+    def _name(cls, v):
+        if not isinstance(v.get("name"), str):
+            raise ValueError("function.name: the name of one of the tools")
+        return v
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[dict] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, as an answer gave them
+    tool_call_id: Text | None = None  # a tool message: the call it answers
+    name: Text | None = None
+
+    def template_dict(self) -> dict:
+        """The message as chat templates read it: tool calls' arguments as objects (Hugging Face's convention)."""
+        out: dict = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                fn = dict(c.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    with contextlib.suppress(ValueError):  # (not JSON: left as the client sent it)
+                        fn["arguments"] = json.loads(fn["arguments"])
+                calls.append({**c, "function": fn})
+            out["tool_calls"] = calls
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -263,6 +312,30 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = Field(False, description="not with use_beam_search")
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20, description="only with logprobs: true")
+    tools: list[Tool] | None = Field(None, description="functions the model may call")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(None, description=(
+        "none, auto (the default with tools; needs a server started with --tool-call-parser), required, or "
+        "a named function; only with tools"))  # fmt: skip
+    parallel_tool_calls: StrictBool = True
+
+    @model_validator(mode="after")
+    def _tools(self):
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise ValueError("tool_choice: only allowed when tools are given")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if self.tool_choice.function["name"] not in names:
+                raise ValueError(f"tool_choice: {self.tool_choice.function['name']!r} is not one of the tools")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required or named: how the answer may call the tools."""
+        if not self.tools:
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
     @model_validator(mode="after")
     def _top_logprobs(self):

@@ -22,6 +22,7 @@ from kvpage.sampling_params import BeamSearchParams, SamplingParams, parse_kv_ev
 from kvpage.server.async_engine import AsyncEngine, EngineUnavailable
 from kvpage.server.errors import APIError
 from kvpage.server.streaming import merge
+from kvpage.server.tool_calls import PARSERS, named_schema, required_schema
 from kvpage.structured.params import StructuredOutputsParams, parse_structured_outputs
 
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
@@ -54,10 +55,13 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 
 
 def constraint_field(req) -> str | None:
-    """Which of a request's fields asks for a structured output (None: none does); two of them are a 400."""
+    """Which of a request's fields asks for a structured output (None: none does); two of them are a 400. Tools
+    under tool_choice "required" or a named function are one (the output is the calls' JSON)."""
     text = req.response_format is not None and req.response_format.type == "text"  # (no constraint)
     names = ("response_format", *_GUIDED, "structured_outputs")
     given = [n for n in names if getattr(req, n) is not None and not (n == "response_format" and text)]
+    if getattr(req, "tool_mode", "none") in ("required", "named"):
+        given.insert(0, "tools")
     if len(given) > 1:
         raise APIError(400, f"{given[1]}: give one of {given[0]} and {given[1]}, not both", param=given[1])
     return given[0] if given else None
@@ -70,6 +74,12 @@ def structured_outputs_of(req) -> StructuredOutputsParams | None:
     if field is None:
         return None
     try:
+        if field == "tools":
+            tools = [t.function.model_dump() for t in req.tools]
+            if req.tool_mode == "required":
+                return StructuredOutputsParams(json=required_schema(tools))
+            (tool,) = [t for t in tools if t["name"] == req.tool_choice.function["name"]]
+            return StructuredOutputsParams(json=named_schema(tool))
         if field == "response_format":
             rf = req.response_format
             if rf.type == "json_object":
@@ -120,6 +130,7 @@ class OpenAIServing:
         salt_cache_per_key: bool = False,
         force_include_usage: bool = False,  # --enable-force-include-usage
         return_tokens_as_token_ids: bool = False,  # --return-tokens-as-token-ids: every request's default
+        tool_call_parser: str | None = None,  # --tool-call-parser: tool_choice "auto" is served with it
     ) -> None:
         self.aengine = aengine
         self.engine = aengine.engine
@@ -129,6 +140,9 @@ class OpenAIServing:
         self.salt_cache_per_key = salt_cache_per_key
         self.force_include_usage = force_include_usage
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
+        if tool_call_parser is not None and tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
+        self.tool_call_parser = tool_call_parser
 
     # ------------------------------------------------------------------ checks
     def check_model(self, name: str | None) -> None:

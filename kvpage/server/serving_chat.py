@@ -18,16 +18,22 @@ from kvpage.server.errors import APIError
 from kvpage.server.protocol import ChatCompletionRequest
 from kvpage.server.serving import OpenAIServing, off_loop, top_entries, usage
 from kvpage.server.streaming import sse
+from kvpage.server.tool_calls import PARSERS, calls_of_required, tool_call_json
 
 
 class ChatServing(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw_request: Request):
         self.check_model(req.model)
+        if req.tool_choice == "auto" and self.tool_call_parser is None:
+            raise APIError(400, 'tool_choice "auto" needs a server started with --tool-call-parser (hermes, '
+                                "llama3_json, mistral); or ask for required or a named function",
+                           param="tool_choice")  # fmt: skip
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            messages = [m.template_dict() for m in req.messages]
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             ids = await off_loop(lambda: self.tokenizer.encode_chat(
                 messages, add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message))  # fmt: skip
+                continue_final_message=req.continue_final_message, tools=tools))  # fmt: skip
         except (ValueError, TemplateError) as e:
             raise APIError(400, f"messages: {e}", param="messages") from None
         eviction = self.eviction(req)
@@ -72,11 +78,30 @@ class _Run:
             body["prompt_logprobs"] = self.s.prompt_logprobs_json(out.prompt_logprobs)
         return body
 
+    def _answer(self, c: CompletionOutput, echoed: bool = True) -> tuple[str | None, list[dict], str | None]:
+        """A choice's (content, tool calls, finish reason): the calls its constraint made (tool_choice required or
+        a named function) or the server's parser found (auto); with calls, the reason is "tool_calls". `echoed`:
+        the content begins with what `echo` puts first (a stream sent that already)."""
+        mode, text = self.req.tool_mode, (self.req.echoed if echoed else "") + c.text
+        calls: list[tuple[str, str]] = []
+        if c.finish_reason == "stop" and mode == "required":
+            text, calls = None, calls_of_required(c.text)
+        elif c.finish_reason == "stop" and mode == "named":
+            text, calls = None, [(self.req.tool_choice.function["name"], c.text)]
+        elif mode == "auto" and self.s.tool_call_parser is not None:
+            text, calls = PARSERS[self.s.tool_call_parser](text)
+        if not calls:
+            return text, [], c.finish_reason
+        return text, [tool_call_json(name, args) for name, args in calls], "tool_calls"
+
     def response(self, out: RequestOutput) -> dict:
         choices = []
         for c in out.outputs:
-            choice = {"index": c.index, "message": {"role": self.req.reply_role, "content": self.req.echoed + c.text},
-                      "logprobs": self._logprobs(c, 0), "finish_reason": c.finish_reason,
+            content, calls, finish = self._answer(c)
+            message = {"role": self.req.reply_role, "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            choice = {"index": c.index, "message": message, "logprobs": self._logprobs(c, 0), "finish_reason": finish,
                       "stop_reason": c.stop_reason}  # fmt: skip
             choice["token_ids"] = c.token_ids if self.req.return_token_ids else None
             choices.append(choice)
@@ -99,6 +124,7 @@ class _Run:
         done: set[int] = set()
         completion_tokens = cached = 0
         final_usage, continuous = self.s.stream_usage(req)
+        held = req.tool_mode in ("required", "named") or (req.tool_mode == "auto" and self.s.tool_call_parser)
 
         def chunk(choices: list[dict]) -> dict:
             body = self._chunk(choices)
@@ -120,12 +146,22 @@ class _Run:
                     yield self._extras(first, out) if c.index == 0 else first
                 n_text, n_tok = sent[c.index]
                 delta = c.text[n_text:]
+                if held and not c.finish_reason:
+                    continue  # (an answer that may be tool calls is sent whole, at its end)
                 if not delta and not c.finish_reason:
                     continue  # (a token that ends mid-character: it goes with the next one)
                 completion_tokens += len(c.token_ids) - n_tok
                 sent[c.index] = (len(c.text), len(c.token_ids))
                 lp = self._logprobs(c, n_tok)
                 token_ids = c.token_ids[n_tok:]
+                finish = c.finish_reason
+                if held:  # the whole answer now: its content, then its calls as OpenAI streams them (by index)
+                    delta, calls, finish = self._answer(c, echoed=False)
+                    delta = delta or ""
+                    if calls:
+                        tool_delta = [{"index": i, **call} for i, call in enumerate(calls)]
+                        yield chunk([{"index": c.index, "delta": {"tool_calls": tool_delta}, "logprobs": None,
+                                      "finish_reason": None}])  # fmt: skip
                 if delta:
                     choice = {"index": c.index, "delta": {"content": delta}, "logprobs": lp, "finish_reason": None}
                     if req.return_token_ids:
@@ -134,7 +170,7 @@ class _Run:
                     lp, token_ids = None, []
                 if c.finish_reason:
                     done.add(c.index)
-                    choice = {"index": c.index, "delta": {}, "logprobs": lp, "finish_reason": c.finish_reason,
+                    choice = {"index": c.index, "delta": {}, "logprobs": lp, "finish_reason": finish,
                               "stop_reason": c.stop_reason}  # fmt: skip
                     if req.return_token_ids:
                         choice["token_ids"] = token_ids

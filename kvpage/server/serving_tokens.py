@@ -17,7 +17,7 @@ class TokenServing(OpenAIServing):
         tok = self.tokenizer
         if req.messages is not None:
             try:
-                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+                messages = [m.template_dict() for m in req.messages]
                 ids = tok.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
                                       continue_final_message=req.continue_final_message)  # fmt: skip
             except (ValueError, TemplateError) as e:

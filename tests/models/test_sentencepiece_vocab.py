@@ -96,23 +96,23 @@ def test_saved_in_hugging_faces_layout_it_reads_back_the_same(tmp_path):
 
 def test_a_gemma_gguf_generates_from_text_as_transformers_does_from_sentencepieces_ids(tmp_path):
     """Gemma 3 (random weights) with a SentencePiece vocabulary of 512, written as llama.cpp writes it: from a text
-    prompt, the engine's greedy tokens are transformers' on sentencepiece's ids (BOS first), and its text is
-    sentencepiece's decoding of them."""
+    prompt, the engine's greedy tokens are transformers' on sentencepiece's ids (BOS first), its first logits
+    transformers' (to float32's rounding), and its text is sentencepiece's decoding of them."""
     import transformers
 
     from kvpage import LLM, SamplingParams
     from tests.models.tiny_gguf import write_gguf_of
 
-    cfg = transformers.Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    # (six layers: llama.cpp's Gemma 3 pattern, windows on five of six, is the only layout its GGUFs hold)
+    cfg = transformers.Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
-                                        query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"],
-                                        initializer_range=0.2)  # fmt: skip
+                                        query_pre_attn_scalar=16, initializer_range=0.2)  # fmt: skip
     torch.manual_seed(0)
     hf = transformers.Gemma3ForCausalLM(cfg).eval()
     hf.save_pretrained(tmp_path)
     write_gguf_of(tmp_path, tmp_path / "gemma.gguf")
     sp = sentencepiece.SentencePieceProcessor(model_proto=sentencepiece_vocab(512)[3])
-    llm = LLM(str(tmp_path / "gemma.gguf"), dtype="float32", num_kv_blocks=32, block_size=4)
+    llm = LLM(str(tmp_path / "gemma.gguf"), dtype="float32", num_kv_blocks=128, block_size=4)
     prompt = "Blocks outside the window are released, and the pool stays small."
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
     ids = [2, *sp.encode(prompt)]
@@ -120,7 +120,12 @@ def test_a_gemma_gguf_generates_from_text_as_transformers_does_from_sentencepiec
     with torch.no_grad():
         want = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     got = out.outputs[0].token_ids
-    assert got == want[0, len(ids) :].tolist()
+    assert out.error is None and got == want[0, len(ids) :].tolist(), out.error
+    first = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0, -1].float(), -1)
+    for tok, entry in first.outputs[0].logprobs[0].items():
+        assert abs(entry.logprob - float(lp[tok])) < 1e-4, (tok, entry.logprob, float(lp[tok]))
     assert out.outputs[0].text == sp.decode([t for t in got if not sp.is_control(t)])
     # its chat template's markers are the control tokens, the text between them sentencepiece's, part by part
     chat = llm.chat([{"role": "user", "content": "Is a block freed?"}], SamplingParams(temperature=0.0, max_tokens=2))
