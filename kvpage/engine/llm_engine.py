@@ -380,6 +380,7 @@ class LLMEngine:
             st = self._states.get(key.request_id)
             if st is not None:
                 rows.setdefault(key.request_id, []).append((st.request.sequences[key.index], row))
+        masks = self._masks(rows, errors)  # every constrained row's allowed tokens, one bitmask for the step
         updates: dict[str, RequestUpdate] = {}
         advanced: dict[str, RequestState] = {}
         now = time.monotonic()
@@ -391,9 +392,9 @@ class LLMEngine:
                 if request_id in errors:
                     raise RuntimeError(errors.pop(request_id))
                 if st.beam is not None:
-                    self._beam_step(st, seq_rows, run.logits, update)
+                    self._beam_step(st, seq_rows, run.logits, update, masks.get(request_id))
                 else:
-                    self._sample_step(st, seq_rows, run.logits, update)
+                    self._sample_step(st, seq_rows, run.logits, update, masks.get(request_id))
             except Exception as e:  # noqa: BLE001 - this request fails alone
                 update = RequestUpdate(request_id, error=f"request {request_id!r} failed: {type(e).__name__}: {e}")
             updates[request_id] = update
@@ -439,22 +440,52 @@ class LLMEngine:
         return outputs
 
     # ------------------------------------------------------------------ sampling
-    def _sample_step(self, st: RequestState, seq_rows, logits: torch.Tensor, update: RequestUpdate) -> None:
+    @staticmethod
+    def _targets(st: RequestState, seq_rows) -> list[tuple[int, int | None, Sequence, int]]:
+        """What a sampling request draws this step: (index, parent index or None, the sequence whose tokens it
+        continues, logits row); on its first token, n > 1 samples all continue the prompt's sequence."""
+        targets = [(seq.index, None, seq, row) for seq, row in seq_rows]
+        req, n = st.request, getattr(st.params, "n", 1)
+        if st.beam is None and n > 1 and len(req.sequences) == 1 and not req.sequences[0].output_token_ids:
+            parent, row = seq_rows[0]
+            targets += [(index, parent.index, parent, row) for index in range(1, n)]
+        return targets
+
+    def _masks(self, rows: dict[str, list[tuple[Sequence, int]]], errors: dict[str, str]) -> dict[str, torch.Tensor]:
+        """request id -> bool [its targets (or beams), vocab]: the tokens each constrained sequence may take
+        next, every matcher first brought to its sequence's tokens, one bitmask filled for the whole step. A
+        request whose tokens its grammar refuses fails alone (in `errors`)."""
+        wanted, spans = [], {}
+        for request_id, seq_rows in rows.items():
+            matchers = self.structured.matchers(request_id)
+            if matchers is None or request_id in errors:
+                continue
+            targets = self._targets(self._states[request_id], seq_rows)
+            try:
+                got = matchers.sync([(index, seq.token_ids[seq.num_prompt_tokens :]) for index, _, seq, _ in targets])
+            except ValueError as e:
+                errors[request_id] = str(e)
+                continue
+            spans[request_id] = (len(wanted), len(got))
+            wanted += got
+        if not wanted:
+            return {}
+        allowed = self.structured.allowed(wanted)
+        return {rid: allowed[a : a + k] for rid, (a, k) in spans.items()}
+
+    def _sample_step(self, st: RequestState, seq_rows, logits: torch.Tensor, update: RequestUpdate,
+                     allowed: torch.Tensor | None = None) -> None:  # fmt: skip
         params: SamplingParams = st.params  # type: ignore[assignment]
         req = st.request
-        # (index, parent index or None, the sequence whose tokens it continues, logits row)
-        targets = [(seq.index, None, seq, row) for seq, row in seq_rows]
-        if params.n > 1 and len(req.sequences) == 1 and not req.sequences[0].output_token_ids:
-            parent, row = seq_rows[0]
-            for index in range(1, params.n):  # the samples share every prompt block (copy-on-write)
+        targets = self._targets(st, seq_rows)
+        for index, parent, _, _ in targets:
+            if parent is not None:  # the samples share every prompt block (copy-on-write)
                 self.outputs.new_seq_state(st, index)
-                targets.append((index, parent.index, parent, row))
         rows = [self.sampler.row(req.request_id, st.seed, index, params, seq.token_ids, seq.num_prompt_tokens,
                                  st.stop_token_ids, row) for index, _, seq, row in targets]  # fmt: skip
         matchers = self.structured.matchers(req.request_id)
         outs = [list(seq.token_ids[seq.num_prompt_tokens :]) for _, _, seq, _ in targets]
-        if matchers is not None:  # each sample's matcher at its tokens; its mask on its row
-            allowed = self.structured.allowed(matchers.sync([(t[0], out) for t, out in zip(targets, outs)]))
+        if allowed is not None:  # each sample's mask on its row
             for r, mask in zip(rows, allowed, strict=True):
                 r.allowed = mask
         sampled = self.sampler.sample(logits, rows)
@@ -466,16 +497,13 @@ class LLMEngine:
                 reason = "stop"
             update.sequences.append(SeqUpdate(index, tok.token_id, parent, reason, stop))
 
-    def _beam_step(self, st: RequestState, seq_rows, logits: torch.Tensor, update: RequestUpdate) -> None:
+    def _beam_step(self, st: RequestState, seq_rows, logits: torch.Tensor, update: RequestUpdate,
+                   allowed: torch.Tensor | None = None) -> None:  # fmt: skip
         beam = st.beam
         assert beam is not None
         req = st.request
-        matchers = self.structured.matchers(req.request_id)
-        allowed = [None] * len(seq_rows)
-        if matchers is not None:  # each beam's matcher at its tokens (beams that continue one beam copy its)
-            tokens = [(seq.index, list(seq.token_ids[seq.num_prompt_tokens :])) for seq, _ in seq_rows]
-            allowed = list(self.structured.allowed(matchers.sync(tokens)))
-        for (seq, row), mask in zip(seq_rows, allowed, strict=True):
+        masks = list(allowed) if allowed is not None else [None] * len(seq_rows)
+        for (seq, row), mask in zip(seq_rows, masks, strict=True):
             beam.set_logits(seq, logits[row] if mask is None else logits[row].masked_fill(~mask, float("-inf")))
         if not beam.ready(req.live_sequences):
             return  # some beams are still catching up (after a recompute): wait for them

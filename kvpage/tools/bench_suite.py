@@ -27,6 +27,7 @@ SUITE = {
     "demotion": "blocks demoted to int8 / int4 instead of dropped, at equal memory against H2O and StreamingLLM",
     "tensor_parallel": "tensor parallelism on CPU at TP=1/2/3: memory per rank, step time, share in all-reduces",
     "kv_groups": "KV-cache groups (sliding windows, chunks) against every layer sized as full attention",
+    "structured_outputs": "structured outputs: a batch's tokens/s at 0 / 50 / 100% constrained rows, the mask's cost",
 }
 
 

@@ -142,3 +142,15 @@ def test_ignore_eos_still_ends_where_the_grammar_does(llm):
     o = out.outputs[0]
     assert o.finish_reason == "stop" and o.text in ("yes", "no")
     assert_clean(llm)
+
+
+def test_the_bitmask_unpacks_bit_for_bit():
+    """xgrammar's int32 words (bit j of word w: token 32 w + j, the sign bit included) as one bool per token."""
+    import torch
+
+    from kvpage.structured.grammars import unpack_bitmask
+
+    words = torch.randint(-(2**31), 2**31 - 1, (3, 40), dtype=torch.int32)
+    vocab = 40 * 32 - 5  # (the last word's top bits beyond the vocabulary dropped)
+    want = [[bool((int(words[r, t // 32]) >> (t % 32)) & 1) for t in range(vocab)] for r in range(3)]
+    assert unpack_bitmask(words, vocab).tolist() == want
