@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+MASKED_LOGPROB = -9999.0  # a token a structured output forbids (vLLM's figure for it)
+
 
 def seeded_generator(seed: int, index: int) -> torch.Generator:
     """The generator of sample `index` of a request seeded `seed` (the engine's and the baselines')."""
@@ -190,9 +192,11 @@ def _penalized(row: SamplingRow) -> bool:
 def _with_logprobs(st: SampledToken, row: SamplingRow, logprobs: torch.Tensor | None,
                    masked: torch.Tensor | None = None) -> SampledToken:  # fmt: skip
     """The sampled token's log-probability, rank and the top ones: from the row's logits, or from `masked`
-    (a structured output's logits, its forbidden tokens -inf)."""
+    (a structured output's logits: its forbidden tokens' log-probabilities are MASKED_LOGPROB, as vLLM reports
+    them, so every figure stays a finite number: JSON has no -inf)."""
     if masked is not None and row.num_logprobs is not None:
-        logprobs, row = torch.log_softmax(masked, -1)[None], SamplingRow(0, num_logprobs=row.num_logprobs)
+        lp = torch.log_softmax(masked, -1).clamp_(min=MASKED_LOGPROB)
+        logprobs, row = lp[None], SamplingRow(0, num_logprobs=row.num_logprobs)
     if row.num_logprobs is not None and logprobs is not None:
         lp = logprobs[row.logits_row]
         st.logprob = float(lp[st.token_id])

@@ -154,3 +154,19 @@ def test_the_bitmask_unpacks_bit_for_bit():
     vocab = 40 * 32 - 5  # (the last word's top bits beyond the vocabulary dropped)
     want = [[bool((int(words[r, t // 32]) >> (t % 32)) & 1) for t in range(vocab)] for r in range(3)]
     assert unpack_bitmask(words, vocab).tolist() == want
+
+
+def test_logprobs_of_a_constrained_row_are_finite_numbers(llm):
+    """The allowed tokens' log-probabilities sum to one; a forbidden token among the top ones reads -9999 (vLLM's
+    figure), never -inf (which JSON cannot carry)."""
+    import math
+
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=3, structured_outputs={"choice": ["yes", "no"]})
+    o = llm.generate(["Answer: "], params, use_tqdm=False)[0].outputs[0]
+    seen = [[lp.logprob for lp in pos.values()] for pos in o.logprobs]
+    for values in seen:
+        assert all(math.isfinite(v) for v in values)
+        assert sum(math.exp(v) for v in values if v > -9999.0) <= 1.0 + 1e-5
+    # (past the first token of "yes" or "no" one token is allowed: the rest of the top three are forbidden)
+    assert any(values.count(-9999.0) == 2 for values in seen[1:]), seen
+    assert_clean(llm)
