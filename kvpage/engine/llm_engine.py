@@ -296,7 +296,9 @@ class LLMEngine:
         return report
 
     def close(self) -> None:
-        """Release what outlives the object: a tensor-parallel group's other ranks (stopped by pid)."""
+        """Release what outlives the object: the grammar thread, a tensor-parallel group's other ranks (stopped
+        by pid)."""
+        self.structured.close()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -380,7 +382,8 @@ class LLMEngine:
             st = self._states.get(key.request_id)
             if st is not None:
                 rows.setdefault(key.request_id, []).append((st.request.sequences[key.index], row))
-        masks = self._masks(rows, errors)  # every constrained row's allowed tokens, one bitmask for the step
+        targets = {rid: self._targets(self._states[rid], seq_rows) for rid, seq_rows in rows.items()}
+        masks = self._masks(targets, errors)  # every constrained row's allowed tokens, one bitmask for the step
         updates: dict[str, RequestUpdate] = {}
         advanced: dict[str, RequestState] = {}
         now = time.monotonic()
@@ -394,7 +397,7 @@ class LLMEngine:
                 if st.beam is not None:
                     self._beam_step(st, seq_rows, run.logits, update, masks.get(request_id))
                 else:
-                    self._sample_step(st, seq_rows, run.logits, update, masks.get(request_id))
+                    self._sample_step(st, targets[request_id], run.logits, update, masks.get(request_id))
             except Exception as e:  # noqa: BLE001 - this request fails alone
                 update = RequestUpdate(request_id, error=f"request {request_id!r} failed: {type(e).__name__}: {e}")
             updates[request_id] = update
@@ -451,18 +454,17 @@ class LLMEngine:
             targets += [(index, parent.index, parent, row) for index in range(1, n)]
         return targets
 
-    def _masks(self, rows: dict[str, list[tuple[Sequence, int]]], errors: dict[str, str]) -> dict[str, torch.Tensor]:
+    def _masks(self, targets: dict[str, list], errors: dict[str, str]) -> dict[str, torch.Tensor]:
         """request id -> bool [its targets (or beams), vocab]: the tokens each constrained sequence may take
         next, every matcher first brought to its sequence's tokens, one bitmask filled for the whole step. A
         request whose tokens its grammar refuses fails alone (in `errors`)."""
         wanted, spans = [], {}
-        for request_id, seq_rows in rows.items():
+        for request_id, its_targets in targets.items():
             matchers = self.structured.matchers(request_id)
             if matchers is None or request_id in errors:
                 continue
-            targets = self._targets(self._states[request_id], seq_rows)
             try:
-                got = matchers.sync([(index, seq.token_ids[seq.num_prompt_tokens :]) for index, _, seq, _ in targets])
+                got = matchers.sync([(index, seq.token_ids[seq.num_prompt_tokens :]) for index, _, seq, _ in its_targets])
             except ValueError as e:
                 errors[request_id] = str(e)
                 continue
@@ -473,11 +475,11 @@ class LLMEngine:
         allowed = self.structured.allowed(wanted)
         return {rid: allowed[a : a + k] for rid, (a, k) in spans.items()}
 
-    def _sample_step(self, st: RequestState, seq_rows, logits: torch.Tensor, update: RequestUpdate,
+    def _sample_step(self, st: RequestState, targets, logits: torch.Tensor, update: RequestUpdate,
                      allowed: torch.Tensor | None = None) -> None:  # fmt: skip
+        """Sample each of `targets` (`_targets`: the sequences it draws for this step)."""
         params: SamplingParams = st.params  # type: ignore[assignment]
         req = st.request
-        targets = self._targets(st, seq_rows)
         for index, parent, _, _ in targets:
             if parent is not None:  # the samples share every prompt block (copy-on-write)
                 self.outputs.new_seq_state(st, index)

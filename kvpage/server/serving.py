@@ -90,9 +90,15 @@ def structured_outputs_of(req) -> StructuredOutputsParams | None:
             return StructuredOutputsParams(**{_GUIDED[field]: getattr(req, field)})
         return parse_structured_outputs(req.structured_outputs)
     except ParameterError as e:
-        if field == "structured_outputs":
-            raise APIError(400, str(e), param=e.param) from None
-        raise APIError(400, f"{field}: {e}", param=field) from None
+        raise constraint_error(field, e) from None
+
+
+def constraint_error(field: str, e: ParameterError) -> APIError:
+    """A constraint that cannot be read or compiled, as the 400 naming the request's field (vLLM's own
+    structured_outputs names its inner field as the engine did: structured_outputs.json, ...)."""
+    if field == "structured_outputs":
+        return APIError(400, str(e), param=e.param)
+    return APIError(400, f"{field}: {e}", param=field)
 
 
 async def until_disconnected(raw_request: Request, work: Awaitable):
@@ -228,9 +234,7 @@ class OpenAIServing:
                 await off_loop(self.engine.structured.check, spec)
             await asyncio.wrap_future(self.engine.structured.submit(spec))
         except ParameterError as e:
-            if field == "structured_outputs":  # (its own fields named as they are: structured_outputs.json, ...)
-                raise APIError(400, str(e), param=e.param) from None
-            raise APIError(400, f"{field}: {e}", param=field) from None
+            raise constraint_error(field, e) from None
 
     def cache_salt(self, req, raw_request: Request) -> str | None:
         """The request's prefix-cache salt: its own `cache_salt`, and its tenant's with --salt-cache-per-key."""

@@ -61,20 +61,7 @@ class StructuredOutputs:
     # ------------------------------------------------------------------ compiling
     def check(self, spec: StructuredOutputsParams) -> None:
         """ParameterError naming the field unless the grammar engine can read the constraint."""
-        import xgrammar as xgr
-
-        kind, field = spec.kind, f"{PREFIX}.{spec.kind}"
-        try:
-            if kind == "json":
-                xgr.Grammar.from_json_schema(json.dumps(spec.schema), **_json_options(spec))
-            elif kind == "regex":
-                xgr.Grammar.from_regex(spec.regex)
-            elif kind == "grammar":
-                xgr.Grammar.from_ebnf(spec.grammar)
-            elif kind == "structural_tag":
-                xgr.Grammar.from_structural_tag(spec.structural_tag)
-        except Exception as e:  # noqa: BLE001 - the engine's many error types: all mean "cannot compile this"
-            raise ParameterError(field, f"{field} cannot be compiled: {_first_line(e)}") from None
+        _grammar(spec)
 
     def submitted(self, spec: StructuredOutputsParams) -> bool:
         """Whether the constraint is compiled already (a check would only repeat what compiling found)."""
@@ -96,22 +83,7 @@ class StructuredOutputs:
             return fut
 
     def _compile(self, spec: StructuredOutputsParams):
-        compiler = self._get_compiler()
-        kind = spec.kind
-        try:
-            if kind == "json":
-                return compiler.compile_json_schema(json.dumps(spec.schema), **_json_options(spec))
-            if kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
-            if kind == "regex":
-                return compiler.compile_regex(spec.regex)
-            if kind == "choice":
-                return compiler.compile_regex("|".join(re.escape(c) for c in spec.choice))
-            if kind == "grammar":
-                return compiler.compile_grammar(spec.grammar)
-            return compiler.compile_structural_tag(spec.structural_tag)
-        except Exception as e:  # noqa: BLE001
-            raise ParameterError(f"{PREFIX}.{kind}", f"{PREFIX}.{kind} cannot be compiled: {_first_line(e)}") from None
+        return self._get_compiler().compile_grammar(_grammar(spec))
 
     def _get_compiler(self):
         with self._lock:
@@ -161,6 +133,26 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
         return bits.flatten(1)[:, :vocab_size].bool()
     as_bytes = bitmask.contiguous().view(torch.uint8)
     return ((as_bytes.unsqueeze(-1) >> _BITS) & 1).flatten(1)[:, :vocab_size].bool()
+
+
+def _grammar(spec: StructuredOutputsParams):
+    """The constraint as xgrammar's Grammar (read without the vocabulary: milliseconds); ParameterError naming the
+    field if it cannot be read. The one place that dispatches on the constraint's kind."""
+    import xgrammar as xgr
+
+    read = {
+        "json": lambda: xgr.Grammar.from_json_schema(json.dumps(spec.schema), **_json_options(spec)),
+        "json_object": xgr.Grammar.builtin_json_grammar,
+        "regex": lambda: xgr.Grammar.from_regex(spec.regex),
+        "choice": lambda: xgr.Grammar.from_regex("|".join(re.escape(c) for c in spec.choice)),
+        "grammar": lambda: xgr.Grammar.from_ebnf(spec.grammar),
+        "structural_tag": lambda: xgr.Grammar.from_structural_tag(spec.structural_tag),
+    }[spec.kind]
+    try:
+        return read()
+    except Exception as e:  # noqa: BLE001 - the engine's many error types: all mean "cannot compile this"
+        field = f"{PREFIX}.{spec.kind}"
+        raise ParameterError(field, f"{field} cannot be compiled: {_first_line(e)}") from None
 
 
 def _json_options(spec: StructuredOutputsParams) -> dict[str, Any]:
