@@ -150,6 +150,11 @@ class EngineConfig:
         "bit-identical tokens and logprobs whatever the batch, prefix hits, chunking "
         "or preemption (kvpage/models/batch_invariant.py; slower prefill)",
     )
+    jump_forward: bool = option(
+        False,
+        "structured outputs: where the grammar allows one continuation only, append its tokens at once and "
+        "compute them as one chunk (SGLang's jump-forward decoding; not for requests that want logprobs)",
+    )
     tensor_parallel_size: int = option(
         1,
         "split the model's heads and MLP over N processes (Megatron-style, torch.distributed: gloo on CPU, "
@@ -258,6 +263,8 @@ class EngineConfig:
     def _check_deterministic(self) -> None:
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic must be true or false, got {self.deterministic!r}")
+        if not isinstance(self.jump_forward, bool):
+            raise ValueError(f"jump_forward must be true or false, got {self.jump_forward!r}")
 
     def _resolve_block_size(self) -> None:
         if self.block_size != "auto":

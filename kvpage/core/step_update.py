@@ -7,6 +7,7 @@ its old tokens), then appended tokens, then finished sequences — and answers w
 
     fork:   SeqUpdate(index=3, parent=1, token_id=t)     new sequence 3 = sequence 1's tokens + t
     append: SeqUpdate(index=1, token_id=t)
+    jump:   SeqUpdate(index=1, token_id=t, forced=(f1, f2))                 t, then the tokens a grammar forces
     finish: SeqUpdate(index=1, token_id=t, finish_reason="stop", stop_reason=t)   (t is kept)
     prune:  SeqUpdate(index=2, finish_reason="abort")                              (no token)
 """
@@ -30,6 +31,7 @@ class SeqUpdate:
     parent: int | None = None  # set for a new sequence: it starts as a fork of this one
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    forced: tuple[int, ...] = ()  # tokens appended after token_id at once (a grammar's jump-forward)
 
 
 @dataclass(slots=True)
@@ -50,6 +52,8 @@ def apply_update(req: Request, update: RequestUpdate, kv: KVCacheManager) -> Non
     sequences that finished (their blocks go back). Everything is validated before anything changes;
     ValueError / IndexError name what was wrong."""
     for u in update.sequences:
+        if u.forced and u.token_id is None:
+            raise ValueError(f"sequence {u.index}: forced tokens follow a sampled token")
         if u.parent is None and not 0 <= u.index < len(req.sequences):
             raise IndexError(f"no sequence {u.index}")
         if u.parent is not None and not 0 <= u.parent < len(req.sequences):
@@ -68,6 +72,7 @@ def apply_update(req: Request, update: RequestUpdate, kv: KVCacheManager) -> Non
     for u in update.sequences:
         if u.token_id is not None:
             req.sequences[u.index].token_ids.append(u.token_id)
+            req.sequences[u.index].token_ids.extend(u.forced)
     for u in update.sequences:
         if u.finish_reason is not None:
             seq = req.sequences[u.index]

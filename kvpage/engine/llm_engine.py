@@ -41,8 +41,9 @@ from kvpage.errors import TensorParallelFailure
 from kvpage.outputs import RequestOutput
 from kvpage.sampling_params import BeamSearchParams, SamplingParams, parse_kv_eviction
 from kvpage.structured.grammars import StructuredOutputs
+from kvpage.structured.jump_forward import forced_tokens
 from kvpage.worker.model_runner import ModelRunnerOutput
-from kvpage.worker.sampler import Sampler
+from kvpage.worker.sampler import SampledToken, Sampler
 from kvpage.worker.step_hooks import ReadBudgetCount
 
 _log = logging.getLogger("kvpage")
@@ -403,7 +404,7 @@ class LLMEngine:
             updates[request_id] = update
             if update.sequences:
                 self.outputs.note_token_time(st, now)
-                self.num_generation_tokens += sum(u.token_id is not None for u in update.sequences)
+                self.num_generation_tokens += sum((u.token_id is not None) + len(u.forced) for u in update.sequences)
         for request_id, reason in errors.items():  # prompt chunks that returned no logits yet
             updates[request_id] = RequestUpdate(request_id, error=f"request {request_id!r} failed: {reason}")
             advanced[request_id] = self._states[request_id]
@@ -464,7 +465,9 @@ class LLMEngine:
             if matchers is None or request_id in errors:
                 continue
             try:
-                got = matchers.sync([(index, seq.token_ids[seq.num_prompt_tokens :]) for index, _, seq, _ in its_targets])
+                got = matchers.sync(
+                    [(index, seq.token_ids[seq.num_prompt_tokens :]) for index, _, seq, _ in its_targets]
+                )
             except ValueError as e:
                 errors[request_id] = str(e)
                 continue
@@ -493,11 +496,21 @@ class LLMEngine:
         sampled = self.sampler.sample(logits, rows)
         done = matchers.sync([(t[0], out + [tok.token_id]) for t, out, tok in zip(targets, outs, sampled)]) \
             if matchers is not None else [None] * len(targets)  # fmt: skip
+        jump = self.config.jump_forward and params.logprobs is None  # (a forced token has no logprob of its own)
         for (index, parent, seq, _), tok, m in zip(targets, sampled, done, strict=True):
             reason, stop = self.outputs.accept(st, index, seq.token_ids, seq.num_prompt_tokens, tok)
             if reason is None and m is not None and m.terminated:  # (its stop token, taken though ignore_eos)
                 reason = "stop"
-            update.sequences.append(SeqUpdate(index, tok.token_id, parent, reason, stop))
+            forced: list[int] = []
+            if jump and reason is None and m is not None:
+                tokens = [*seq.token_ids, tok.token_id]
+                for t in forced_tokens(m, tok.token_id, self.tokenizer):  # each through the output's checks
+                    forced.append(t)
+                    reason, stop = self.outputs.accept(st, index, tokens, seq.num_prompt_tokens, SampledToken(t))
+                    tokens.append(t)
+                    if reason is not None:
+                        break
+            update.sequences.append(SeqUpdate(index, tok.token_id, parent, reason, stop, tuple(forced)))
 
     def _beam_step(self, st: RequestState, seq_rows, logits: torch.Tensor, update: RequestUpdate,
                    allowed: torch.Tensor | None = None) -> None:  # fmt: skip

@@ -44,6 +44,9 @@ class _XGrammarMatcher:
     def copy(self) -> _XGrammarMatcher:
         return _XGrammarMatcher(self.m.fork())
 
+    def forced_text(self) -> str:
+        return self.m.find_jump_forward_string()
+
     @property
     def terminated(self) -> bool:
         return bool(self.m.is_terminated())

@@ -21,6 +21,7 @@ class Matcher(Protocol):
     def accept(self, token: int) -> bool: ...  # False: the grammar does not allow it (the matcher is unchanged)
     def fill(self, bitmask: Any, row: int) -> None: ...  # row `row` of the bitmask: the tokens allowed next
     def copy(self) -> Matcher: ...
+    def forced_text(self) -> str: ...  # the text the grammar allows as the only continuation ("" if none)
     @property
     def terminated(self) -> bool: ...  # the grammar is complete and a stop token was accepted
 

@@ -28,7 +28,7 @@ KEYS = {
     "demotion": ["rows", "budgets", "cost"],
     "tensor_parallel": ["rows", "cores"],
     "kv_groups": ["per_sequence", "one_pool", "speed", "hits"],
-    "structured_outputs": ["rows"],
+    "structured_outputs": ["rows", "jump_forward"],
 }
 
 

@@ -344,3 +344,35 @@ def test_samples_give_way_one_by_one_and_finish_where_the_gang_failed(mode):
         assert trace[9][3] == [(1, 0), (2, 3)] and len(trace) == 12
         assert (s.num_preemptions, s.num_swapped_out) == (3, 3)
     assert_empty(s)
+
+
+# ----------------------------------------------------------------------------- jump-forward
+
+
+def test_forced_tokens_run_as_one_chunk_after_their_sampled_token_and_are_cached_like_any():
+    s = make(8)
+    add(s, "a", [1, 2, 3, 4, 5, 6])  # blocks [1 2 3 4][5 6 ..
+    step(s, RequestUpdate("a", [SeqUpdate(0, 7, forced=(8, 9, 10, 11))]))  # sampled 7, then 8..11 forced
+    out, _ = step(s, tok("a", (0, 12)))
+    # one entry computes the sampled token and the forced ones: a prefill chunk into a running sequence,
+    # logits at its last token; it fills block 1 and starts block 2
+    assert seqs(out) == [("a", 0, [7, 8, 9, 10, 11], 6, [0, 1, 2], True)]
+    assert s.requests["a"].sequences[0].token_ids == list(range(1, 13))
+    assert s.kv.stats().used_blocks == 3
+    out, result = step(s, tok("a", (0, 13, None, "stop")))
+    assert seqs(out) == [("a", 0, [12], 11, [0, 1, 2], True)] and result.finished == ["a"]
+    add(s, "b", list(range(1, 12)) + [50])  # forced tokens were cached like any: b finds all 11 of its first
+    out, _ = step(s, tok("b", (0, 51)))  # (the partial tail block copied on write, to block 3)
+    assert seqs(out) == [("b", 0, [50], 11, [0, 1, 3], True)]
+    s.abort_request("b")
+    assert_empty(s)
+
+
+def test_forced_tokens_without_a_sampled_token_fail_the_request_alone():
+    s = make(8)
+    add(s, "a", [1, 2, 3])
+    add(s, "b", [4, 5, 6])
+    _, result = step(s, RequestUpdate("a", [SeqUpdate(0, None, forced=(8,))]), tok("b", (0, 9)))
+    assert "forced tokens follow a sampled token" in result.failed["a"] and "b" in s.requests
+    s.abort_request("b")
+    assert_empty(s)
