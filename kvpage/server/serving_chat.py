@@ -19,6 +19,7 @@ from kvpage.server.protocol import ChatCompletionRequest
 from kvpage.server.serving import OpenAIServing, off_loop, top_entries, usage
 from kvpage.server.streaming import sse
 from kvpage.server.tool_calls import PARSERS, calls_of_required, tool_call_json
+from kvpage.server.tool_stream import AutoContent, NamedCall, RequiredCalls
 
 
 class ChatServing(OpenAIServing):
@@ -118,13 +119,24 @@ class _Run:
         return {"id": self.rid, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.s.served_model_name, "choices": choices}  # fmt: skip
 
+    def _tool_stream(self):
+        """How this request's answer streams its calls (tool_stream.py), or None (plain text)."""
+        mode, parser = self.req.tool_mode, self.s.tool_call_parser
+        if mode == "named":
+            return NamedCall(self.req.tool_choice.function["name"])
+        if mode == "required":
+            return RequiredCalls()
+        if mode == "auto" and parser is not None:
+            return AutoContent(parser)
+        return None
+
     async def stream(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[dict]:
         req = self.req
-        sent: dict[int, tuple[int, int]] = {}
+        sent: dict[int, tuple[int, int]] = {}  # choice -> (characters read, tokens sent)
         done: set[int] = set()
+        tools: dict[int, NamedCall | RequiredCalls | AutoContent | None] = {}
         completion_tokens = cached = 0
         final_usage, continuous = self.s.stream_usage(req)
-        held = req.tool_mode in ("required", "named") or (req.tool_mode == "auto" and self.s.tool_call_parser)
 
         def chunk(choices: list[dict]) -> dict:
             body = self._chunk(choices)
@@ -141,34 +153,44 @@ class _Run:
                     continue
                 if c.index not in sent:
                     sent[c.index] = (0, 0)
+                    tools[c.index] = self._tool_stream()
                     first = chunk([{"index": c.index, "delta": {"role": req.reply_role, "content": req.echoed},
                                           "logprobs": None, "finish_reason": None}])  # fmt: skip
                     yield self._extras(first, out) if c.index == 0 else first
                 n_text, n_tok = sent[c.index]
                 delta = c.text[n_text:]
-                if held and not c.finish_reason:
-                    continue  # (an answer that may be tool calls is sent whole, at its end)
                 if not delta and not c.finish_reason:
                     continue  # (a token that ends mid-character: it goes with the next one)
+                ts, finish = tools[c.index], c.finish_reason
+                pieces: list[dict] = []  # the deltas to send now: content and tool calls
+                if ts is None:
+                    pieces.append({"content": delta})
+                elif isinstance(ts, AutoContent):
+                    pieces.append({"content": ts.feed(c.text)})
+                    if finish:  # the parser reads the whole answer: its calls go whole, or the rest as content
+                        _, calls, finish = self._answer(c, echoed=False)
+                        if calls:
+                            pieces.append({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]})
+                        else:
+                            pieces.append({"content": ts.rest(c.text)})
+                else:
+                    pieces.append({"tool_calls": ts.feed(delta)})
+                    if finish == "stop":
+                        finish = "tool_calls"
+                pieces = [p for p in pieces if next(iter(p.values()))]
+                sent[c.index] = (len(c.text), n_tok)
+                if not pieces and not finish:
+                    continue  # (held back: its tokens and logprobs go with the next piece)
                 completion_tokens += len(c.token_ids) - n_tok
                 sent[c.index] = (len(c.text), len(c.token_ids))
-                lp = self._logprobs(c, n_tok)
-                token_ids = c.token_ids[n_tok:]
-                finish = c.finish_reason
-                if held:  # the whole answer now: its content, then its calls as OpenAI streams them (by index)
-                    delta, calls, finish = self._answer(c, echoed=False)
-                    delta = delta or ""
-                    if calls:
-                        tool_delta = [{"index": i, **call} for i, call in enumerate(calls)]
-                        yield chunk([{"index": c.index, "delta": {"tool_calls": tool_delta}, "logprobs": None,
-                                      "finish_reason": None}])  # fmt: skip
-                if delta:
-                    choice = {"index": c.index, "delta": {"content": delta}, "logprobs": lp, "finish_reason": None}
+                lp, token_ids = self._logprobs(c, n_tok), c.token_ids[n_tok:]
+                for piece in pieces:
+                    choice = {"index": c.index, "delta": piece, "logprobs": lp, "finish_reason": None}
                     if req.return_token_ids:
                         choice["token_ids"] = token_ids
                     yield chunk([choice])
                     lp, token_ids = None, []
-                if c.finish_reason:
+                if finish:
                     done.add(c.index)
                     choice = {"index": c.index, "delta": {}, "logprobs": lp, "finish_reason": finish,
                               "stop_reason": c.stop_reason}  # fmt: skip

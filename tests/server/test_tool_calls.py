@@ -103,23 +103,48 @@ def test_auto_finds_hermes_calls_and_leaves_plain_answers_alone(server, client):
     assert_pool_free(server)
 
 
-def test_streamed_calls_come_by_index(server, client):
-    stream = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], tool_choice="required",
-                                            max_tokens=120, temperature=0, stream=True)  # fmt: skip
+def _streamed_calls(stream) -> dict:
+    """A stream's content pieces, calls (by index: id, name, arguments, how many pieces) and finish reason."""
     calls: dict[int, dict] = {}
-    finish = None
+    content, finish = [], None
     for chunk in stream:
         for choice in chunk.choices:
+            if choice.delta.content:
+                content.append(choice.delta.content)
             for d in choice.delta.tool_calls or []:
-                entry = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+                entry = calls.setdefault(d.index, {"id": "", "name": "", "arguments": "", "pieces": 0})
+                assert (d.id is not None) == (entry["id"] == ""), "the id comes once, first"
                 entry["id"] += d.id or ""
                 entry["name"] += d.function.name or ""
                 entry["arguments"] += d.function.arguments or ""
+                entry["pieces"] += 1
             finish = choice.finish_reason or finish
-    assert finish == "tool_calls" and calls
+    return {"content": content, "calls": calls, "finish": finish}
+
+
+def test_streamed_calls_come_by_index(server, client):
+    stream = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                            max_tokens=120, temperature=0, stream=True)  # fmt: skip
+    got = _streamed_calls(stream)
+    calls, finish = got["calls"], got["finish"]
+    assert finish == "tool_calls" and calls and not got["content"]
     for entry in calls.values():
         assert entry["name"] == "get_weather" and entry["id"].startswith("chatcmpl-tool-")
         jsonschema.validate(json.loads(entry["arguments"]), WEATHER["function"]["parameters"])
+        assert entry["pieces"] > 3  # the arguments streamed piece by piece, as they were generated
+    assert_pool_free(server)
+
+
+def test_auto_streams_the_content_before_a_call_then_the_call(server, client):
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    pattern = re.escape("Let me look that up.\n" + call)
+    stream = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], max_tokens=80, stream=True,
+                                            temperature=0, extra_body={"guided_regex": pattern})  # fmt: skip
+    calls = _streamed_calls(stream)
+    assert calls["finish"] == "tool_calls" and "".join(calls["content"]) == "Let me look that up.\n"
+    assert len(calls["content"]) > 1  # (sent as it came, before the call began)
+    (entry,) = calls["calls"].values()
+    assert entry["name"] == "get_weather" and json.loads(entry["arguments"]) == {"city": "Paris", "unit": "celsius"}
     assert_pool_free(server)
 
 
@@ -151,3 +176,44 @@ def test_the_parsers_on_their_families_texts():
     content, calls = parse_mistral('Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": ' + json.dumps(args) + "}]")
     assert content == "Sure." and calls[0][0] == "get_weather" and json.loads(calls[0][1]) == args
     assert parse_mistral("[TOOL_CALLS] oops")[1] == []
+
+
+def test_the_stream_scanners_on_every_split_of_their_texts():
+    """Fed in pieces of any size, the calls of a "required" answer stream whole (names once, arguments that
+    join to the call's parameters, quotes and braces inside strings included); "auto" sends the content before a
+    call's marker, holding back what may begin it."""
+    import random
+
+    from kvpage.server.tool_stream import AutoContent, NamedCall, RequiredCalls
+
+    text = ('[ {"name": "get_weather", "parameters": {"city": "Pa\\"ris}{", "unit": "celsius", "n": [1, {"a": 2}]}}, '
+            '{"name":"get_time","parameters":{"timezone":"CET"}}]')  # fmt: skip
+    want = [(c["name"], c["parameters"]) for c in json.loads(text)]
+    rng = random.Random(0)
+    for _ in range(100):
+        scanner, calls, i = RequiredCalls(), {}, 0
+        while i < len(text):
+            k = rng.randint(1, 7)
+            for d in scanner.feed(text[i : i + k]):
+                entry = calls.setdefault(d["index"], {"name": "", "arguments": ""})
+                entry["name"] += d["function"].get("name", "")
+                entry["arguments"] += d["function"]["arguments"]
+            i += k
+        assert [(calls[j]["name"], json.loads(calls[j]["arguments"])) for j in sorted(calls)] == want
+    cases = [("hermes", 'Checking.\n<tool_call>{"name": "x", "arguments": {}}</tool_call>', "Checking.\n", True),
+             ("hermes", "a <tool answer, <tool_cal", "a <tool answer, <tool_cal", False),
+             ("mistral", 'ok [TOOL_CALLS][{"name": "x", "arguments": {}}]', "ok ", True),
+             ("llama3_json", ' {"name": "x", "parameters": {}}', "", True),
+             ("llama3_json", "<|python_tag|>{}", "", True),
+             ("llama3_json", "Hello {there}", "Hello {there}", False)]  # fmt: skip
+    for parser, answer, content, held in cases:
+        for _ in range(20):
+            auto, got, i = AutoContent(parser), "", 0
+            while i < len(answer):
+                i += rng.randint(1, 5)
+                got += auto.feed(answer[:i])
+            assert auto.held == held and (got if held else got + auto.rest(answer)) == content, (parser, answer)
+    named = NamedCall("f")
+    first, second = named.feed('{"a"'), named.feed(": 1}")
+    assert first[0]["function"] == {"name": "f", "arguments": '{"a"'} and first[0]["id"].startswith("chatcmpl-tool-")
+    assert second == [{"index": 0, "function": {"arguments": ": 1}"}}]
