@@ -145,7 +145,11 @@ def _grammar(spec: StructuredOutputsParams):
 
     read = {
         "json": lambda: xgr.Grammar.from_json_schema(json.dumps(spec.schema), **_json_options(spec)),
-        "json_object": xgr.Grammar.builtin_json_grammar,
+        "json_object": lambda: (
+            xgr.Grammar.from_json_schema('{"type": "object"}', **_json_options(spec, strict=False))
+            if spec.disable_any_whitespace
+            else xgr.Grammar.builtin_json_grammar()
+        ),
         "regex": lambda: xgr.Grammar.from_regex(spec.regex),
         "choice": lambda: xgr.Grammar.from_regex("|".join(re.escape(c) for c in spec.choice)),
         "grammar": lambda: xgr.Grammar.from_ebnf(spec.grammar),
@@ -158,10 +162,10 @@ def _grammar(spec: StructuredOutputsParams):
         raise ParameterError(field, f"{field} cannot be compiled: {_first_line(e)}") from None
 
 
-def _json_options(spec: StructuredOutputsParams) -> dict[str, Any]:
+def _json_options(spec: StructuredOutputsParams, strict: bool = True) -> dict[str, Any]:
     """xgrammar's options for vLLM's: compact JSON (no free whitespace). (Strict mode, as vLLM runs xgrammar: no
-    properties or items a schema does not name unless it allows them; `disable_additional_properties` is so.)"""
-    out: dict[str, Any] = {"strict_mode": True}
+    properties or items a schema does not name unless it allows them; off for json_object: any object.)"""
+    out: dict[str, Any] = {"strict_mode": strict}
     if spec.disable_any_whitespace:
         out |= {"any_whitespace": False, "separators": (",", ":")}
     return out

@@ -58,12 +58,18 @@ def test_every_output_of_a_json_schema_validates_greedy_and_four_samples(llm, na
     assert_clean(llm)
 
 
+def _compact_object(text: str) -> bool:
+    """A JSON object with no whitespace outside its strings."""
+    return isinstance(json.loads(text), dict) and not re.search(r"\s", re.sub(r'"(\\.|[^"\\])*"', "", text))
+
+
 def test_regex_choice_grammar_and_any_json_object(llm):
     cases = [({"regex": r"[A-Z]{3}-[0-9]{4}"}, lambda t: re.fullmatch(r"[A-Z]{3}-[0-9]{4}", t)),
              ({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
              ({"grammar": 'root ::= num ("+" num)? ("*" num)?\nnum ::= [1-9] [0-9]?'},
               lambda t: re.fullmatch(r"[1-9][0-9]?(\+[1-9][0-9]?)?(\*[1-9][0-9]?)?", t)),
-             ({"json_object": True}, lambda t: isinstance(json.loads(t), dict))]  # fmt: skip
+             ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
+             ({"json_object": True, "disable_any_whitespace": True}, _compact_object)]  # fmt: skip
     for spec, ok in cases:
         for seed in (0, 1):
             params = SamplingParams(temperature=0.9, seed=seed, max_tokens=60, structured_outputs=spec)
