@@ -35,3 +35,15 @@ def assert_clean(llm: LLM) -> None:
     assert all(p.num_free == p.num_total for p in engine.kv_manager.eviction.cold.values())  # demoted blocks
     sched = engine.scheduler
     assert not sched.running and not sched.waiting and not sched.swapped and not sched.requests
+
+
+def assert_pressed_like_roomy(roomy: LLM, small: LLM, chats: list, params: SamplingParams) -> None:
+    """`small` (a pool that preempts) answers `chats` token for token as `roomy` does, and again from its
+    prefix cache; it ends clean."""
+    want = [o.outputs[0].token_ids for o in roomy.chat(chats, params, use_tqdm=False)]
+    got = small.chat(chats, params, use_tqdm=False)
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in got] == want
+    again = small.chat(chats[:1], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == want[0]
+    assert_clean(small)

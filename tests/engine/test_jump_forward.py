@@ -12,7 +12,7 @@ import pytest
 from kvpage import SamplingParams
 from kvpage.structured.jump_forward import forced_tokens
 from kvpage.structured.params import StructuredOutputsParams
-from tests.engine.helpers import assert_clean, make_llm, make_pressed_llm
+from tests.engine.helpers import assert_clean, assert_pressed_like_roomy, make_llm, make_pressed_llm
 
 pytest.importorskip("xgrammar")
 
@@ -101,11 +101,4 @@ def test_no_jump_for_a_request_that_wants_logprobs(llm):
 def test_preemption_and_a_prefix_hit_change_nothing(llm, mode):
     params = SamplingParams(temperature=0.0, max_tokens=70, structured_outputs=COMPACT)
     chats = [[{"role": "user", "content": f"Reply with JSON describing order number {i}."}] for i in range(4)]
-    want = [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]
-    small = make_pressed_llm(8, mode, jump_forward=True)
-    got = small.chat(chats, params, use_tqdm=False)
-    assert small.llm_engine.scheduler.num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in got] == want
-    again = small.chat(chats[:1], params, use_tqdm=False)[0]
-    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == want[0]
-    assert_clean(small)
+    assert_pressed_like_roomy(llm, make_pressed_llm(8, mode, jump_forward=True), chats, params)

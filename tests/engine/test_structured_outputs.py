@@ -13,7 +13,7 @@ import pytest
 
 from kvpage import BeamSearchParams, SamplingParams
 from kvpage.errors import ParameterError
-from tests.engine.helpers import assert_clean, make_llm, make_pressed_llm
+from tests.engine.helpers import assert_clean, assert_pressed_like_roomy, make_llm, make_pressed_llm
 
 pytest.importorskip("xgrammar")
 
@@ -115,14 +115,7 @@ def test_preemption_and_a_prefix_hit_change_nothing(llm, mode):
     constrained outputs are the big pool's, token for token; run again, the prompts hit the cache: the same."""
     params = SamplingParams(temperature=0.0, max_tokens=70, structured_outputs={"json": PERSON})
     chats = [[{"role": "user", "content": f"Reply with JSON describing person number {i}."}] for i in range(4)]
-    want = [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]
-    small = make_pressed_llm(9, mode)
-    got = small.chat(chats, params, use_tqdm=False)
-    assert small.llm_engine.scheduler.num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in got] == want
-    again = small.chat(chats[:1], params, use_tqdm=False)[0]
-    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == want[0]
-    assert_clean(small)
+    assert_pressed_like_roomy(llm, make_pressed_llm(9, mode), chats, params)
 
 
 def test_bad_constraints_fail_alone_naming_the_field(llm):
