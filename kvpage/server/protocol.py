@@ -321,7 +321,9 @@ class ChatCompletionRequest(_Common):
     @model_validator(mode="after")
     def _tools(self):
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
-            raise ValueError("tool_choice: only allowed when tools are given")
+            raise ValueError("tool_choice: When using `tool_choice`, `tools` must be set.")  # (vLLM's words)
+        if not self.tools:
+            self.tool_choice = "none"  # (as vLLM's: with no tools, nothing to call)
         if isinstance(self.tool_choice, NamedToolChoice):
             names = [t.function.name for t in self.tools or []]
             if self.tool_choice.function["name"] not in names:

@@ -18,8 +18,8 @@ from kvpage.server.errors import APIError
 from kvpage.server.protocol import ChatCompletionRequest
 from kvpage.server.serving import OpenAIServing, off_loop, top_entries, usage
 from kvpage.server.streaming import sse
-from kvpage.server.tool_calls import PARSERS, calls_of_required, tool_call_json
-from kvpage.server.tool_stream import AutoContent, NamedCall, RequiredCalls
+from kvpage.server.tool_calls import PARSERS, tool_call_json
+from kvpage.server.tool_stream import AutoContent, NamedCall, RequiredCalls, required_calls
 
 
 class ChatServing(OpenAIServing):
@@ -81,19 +81,22 @@ class _Run:
 
     def _answer(self, c: CompletionOutput, echoed: bool = True) -> tuple[str | None, list[dict], str | None]:
         """A choice's (content, tool calls, finish reason): the calls its constraint made (tool_choice required or
-        a named function) or the server's parser found (auto); with calls, the reason is "tool_calls". `echoed`:
+        a named function; cut by the length, as far as they came) or the server's parser found (auto); with
+        calls, the reason is "tool_calls" (or "length"). `echoed`:
         the content begins with what `echo` puts first (a stream sent that already)."""
         mode, text = self.req.tool_mode, (self.req.echoed if echoed else "") + c.text
         calls: list[tuple[str, str]] = []
-        if c.finish_reason == "stop" and mode == "required":
-            text, calls = None, calls_of_required(c.text)
-        elif c.finish_reason == "stop" and mode == "named":
+        cut = c.finish_reason == "length"  # (the calls as far as they came, as a stream sent them)
+        if mode == "required" and c.finish_reason in ("stop", "length"):
+            calls = required_calls(c.text)
+            text = None if calls else text
+        elif mode == "named" and c.finish_reason in ("stop", "length"):
             text, calls = None, [(self.req.tool_choice.function["name"], c.text)]
         elif mode == "auto" and self.s.tool_call_parser is not None:
             text, calls = PARSERS[self.s.tool_call_parser](text)
         if not calls:
             return text, [], c.finish_reason
-        return text, [tool_call_json(name, args) for name, args in calls], "tool_calls"
+        return text, [tool_call_json(name, args) for name, args in calls], "length" if cut else "tool_calls"
 
     def response(self, out: RequestOutput) -> dict:
         choices = []

@@ -35,11 +35,6 @@ def named_schema(tool: dict) -> dict:
     return tool.get("parameters") or {"type": "object"}
 
 
-def calls_of_required(text: str) -> Calls:
-    """The calls of an output constrained by `required_schema`."""
-    return [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
-
-
 def _decoded(fragment: str) -> Any:
     try:
         return json.loads(fragment)

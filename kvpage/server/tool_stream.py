@@ -125,6 +125,17 @@ class RequiredCalls:
             self.pending += args
 
 
+def required_calls(text: str) -> list[tuple[str, str]]:
+    """The calls of a whole "required" answer, (name, arguments) as a stream of it sends them (the same text, cut
+    where the answer was)."""
+    calls: dict[int, list[str]] = {}
+    for d in RequiredCalls().feed(text):
+        entry = calls.setdefault(d["index"], ["", ""])
+        entry[0] += d["function"].get("name", "")
+        entry[1] += d["function"]["arguments"]
+    return [(name, args) for name, args in calls.values()]
+
+
 class AutoContent:
     """tool_choice "auto": the content to send now, holding back what may begin a call."""
 

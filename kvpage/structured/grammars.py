@@ -152,7 +152,10 @@ def _grammar(spec: StructuredOutputsParams):
         ),
         "regex": lambda: xgr.Grammar.from_regex(spec.regex),
         "choice": lambda: xgr.Grammar.from_regex("|".join(re.escape(c) for c in spec.choice)),
-        "grammar": lambda: xgr.Grammar.from_ebnf(spec.grammar),
+        # (EBNF / GBNF with `root ::= ...`, or Lark's syntax with a `start:` rule, as vLLM takes both)
+        "grammar": lambda: (
+            xgr.Grammar.from_ebnf(spec.grammar) if "::=" in spec.grammar else xgr.Grammar.from_lark(spec.grammar)
+        ),
         "structural_tag": lambda: xgr.Grammar.from_structural_tag(spec.structural_tag),
     }[spec.kind]
     try:

@@ -58,6 +58,17 @@ def test_every_output_of_a_json_schema_validates_greedy_and_four_samples(llm, na
     assert_clean(llm)
 
 
+# vLLM's test grammar, in Lark's syntax (vLLM takes it beside EBNF; xgrammar reads it)
+LARK_SQL = """
+start: select_statement
+select_statement: "SELECT" column "from" table "where" condition
+column: "col_1" | "col_2"
+table: "table_1" | "table_2"
+condition: column "=" number
+number: "1" | "2"
+"""
+
+
 def _compact_object(text: str) -> bool:
     """A JSON object with no whitespace outside its strings."""
     return isinstance(json.loads(text), dict) and not re.search(r"\s", re.sub(r'"(\\.|[^"\\])*"', "", text))
@@ -68,6 +79,7 @@ def test_regex_choice_grammar_and_any_json_object(llm):
              ({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
              ({"grammar": 'root ::= num ("+" num)? ("*" num)?\nnum ::= [1-9] [0-9]?'},
               lambda t: re.fullmatch(r"[1-9][0-9]?(\+[1-9][0-9]?)?(\*[1-9][0-9]?)?", t)),
+             ({"grammar": LARK_SQL}, lambda t: re.fullmatch(r"SELECTcol_[12]fromtable_[12]wherecol_[12]=[12]", t)),
              ({"json_object": True}, lambda t: isinstance(json.loads(t), dict)),
              ({"json_object": True, "disable_any_whitespace": True}, _compact_object)]  # fmt: skip
     for spec, ok in cases:

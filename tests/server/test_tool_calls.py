@@ -217,3 +217,20 @@ def test_the_stream_scanners_on_every_split_of_their_texts():
     first, second = named.feed('{"a"'), named.feed(": 1}")
     assert first[0]["function"] == {"name": "f", "arguments": '{"a"'} and first[0]["id"].startswith("chatcmpl-tool-")
     assert second == [{"index": 0, "function": {"arguments": ": 1}"}}]
+
+
+@pytest.mark.parametrize(
+    ("choice", "n"), [("required", 24), ({"type": "function", "function": {"name": "get_weather"}}, 8)]
+)
+def test_calls_cut_by_the_length_come_as_far_as_they_came_streamed_or_not(server, client, choice, n):
+    kw = dict(model="smollm2", messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=n, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0]
+    streamed = _streamed_calls(client.chat.completions.create(**kw, stream=True))
+    assert whole.finish_reason == streamed["finish"] == "length" and whole.message.content is None
+    (call,) = whole.message.tool_calls
+    (entry,) = streamed["calls"].values()
+    assert call.function.name == entry["name"] == "get_weather"
+    assert call.function.arguments == entry["arguments"] and call.function.arguments.startswith("{")
+    with pytest.raises(ValueError):  # (cut: not yet JSON)
+        json.loads(call.function.arguments)
+    assert_pool_free(server)
