@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import torch
 
@@ -75,7 +75,6 @@ class LLMEngine:
         # structured outputs: grammars compiled in a worker thread, each constrained sequence's matcher, the masks
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
         self._compiling: dict[str, tuple[Request, Future, set[str]]] = {}  # requests waiting for their grammar
-        self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="kvpage-masks")  # masks beside the forward
         self._states: dict[str, RequestState] = {}
         self._arrivals = 0
         self._rng = random.Random(config.seed)
@@ -83,7 +82,6 @@ class LLMEngine:
         self.num_segment_prefill_tokens = 0  # of those, the internal prefills of segments (segment_prompts.py)
         self.num_generation_tokens = 0
         self.num_steps = 0
-        self.num_steps_masked_ahead = 0  # steps whose grammar masks were filled while the forward ran
         self.step_tokens = StepTokens()  # tokens per step (/metrics' iteration_tokens_total)
         self.timings = {"schedule": 0.0, "execute": 0.0, "sample": 0.0}
         self.num_kv_verified_blocks = 0  # counted by verify_kv_cache, read by /metrics
@@ -302,7 +300,6 @@ class LLMEngine:
         """Release what outlives the object: the grammar thread, a tensor-parallel group's other ranks (stopped
         by pid)."""
         self.structured.close()
-        self._mask_thread.shutdown(wait=True)
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -337,18 +334,15 @@ class LLMEngine:
         t1 = time.perf_counter()
         self._note_scheduled(sched)
         generated = self.num_generation_tokens
-        masks = self._masks_ahead(sched)  # (filled in a thread while the forward runs)
         try:
             run = self.runner.execute(sched) if sched.has_work else ModelRunnerOutput([], torch.empty(0))
         except TensorParallelFailure:  # the ranks are out of step: nothing can run on them
             raise
         except Exception as e:  # noqa: BLE001 - the batch fails, the engine goes on
-            if masks is not None:
-                wait([masks[1]])  # (no matcher moves while the next step starts)
             result = self.scheduler.fail_step(sched, f"the model step failed: {type(e).__name__}: {e}")
             return self._finish_step(result, {}, (t0, t1, time.perf_counter()))
         t2 = time.perf_counter()
-        updates, advanced = self._process(sched, run, masks)
+        updates, advanced = self._process(sched, run)
         result = self.scheduler.update_from_output(sched, updates, run.attention_mass)
         if sched.sequences:  # vLLM's iteration tokens: prompt (or recomputed) tokens computed, plus those sampled
             self.step_tokens.observe(self._prompt_tokens_of(sched) + self.num_generation_tokens - generated)
@@ -372,35 +366,9 @@ class LLMEngine:
             n += 0 if len(s.token_ids) == 1 and s.num_computed >= prompt else len(s.token_ids)
         return n
 
-    def _rows(self, seq_ids) -> dict[str, list[tuple[Sequence, int]]]:
-        """request id -> its sequences that return logits, with their logits rows."""
-        rows: dict[str, list[tuple[Sequence, int]]] = {}
-        for row, key in enumerate(seq_ids):
-            st = self._states.get(key.request_id)
-            if st is not None:
-                rows.setdefault(key.request_id, []).append((st.request.sequences[key.index], row))
-        return rows
-
-    def _masks_ahead(self, sched: SchedulerOutput) -> tuple[list, Future] | None:
-        """The step's masks, started in the mask thread before the forward (a constrained row's mask depends on its
-        tokens, known now, not on the logits): (the rows it assumed, a Future of (targets, masks, errors)); None
-        when no constrained sequence returns logits this step. Nothing else touches the matchers meanwhile."""
-        seq_ids = [s.seq_id for s in sched.sequences if s.return_logits]
-        if not any(self.structured.matchers(k.request_id) is not None for k in seq_ids):
-            return None
-
-        def work():
-            rows = self._rows(seq_ids)
-            targets = {rid: self._targets(self._states[rid], seq_rows) for rid, seq_rows in rows.items()}
-            errors: dict[str, str] = {}
-            return targets, self._masks(targets, errors), errors
-
-        return seq_ids, self._mask_thread.submit(work)
-
-    def _process(self, sched: SchedulerOutput, run: ModelRunnerOutput, ahead: tuple[list, Future] | None = None):
+    def _process(self, sched: SchedulerOutput, run: ModelRunnerOutput):
         """The engine's decisions for every request that produced logits: sample or beam-step, then
-        text and stop checks. A request whose processing raises fails alone. `ahead`: the masks started
-        before the forward (`_masks_ahead`)."""
+        text and stop checks. A request whose processing raises fails alone."""
         errors: dict[str, str] = {}
         for s in sched.sequences:
             lp = run.prompt_logprobs.get((s.seq_id, s.num_computed))
@@ -410,16 +378,13 @@ class LLMEngine:
                     self.outputs.collect_prompt_logprobs(st, s.num_computed, lp)
                 except Exception as e:  # noqa: BLE001 - this request fails alone
                     errors[st.request.request_id] = f"prompt logprobs failed: {type(e).__name__}: {e}"
-        rows = self._rows(run.seq_ids)
-        if ahead is not None and ahead[0] == list(run.seq_ids):
-            targets, masks, mask_errors = ahead[1].result()
-            self.num_steps_masked_ahead += 1
-            errors.update({rid: why for rid, why in mask_errors.items() if rid not in errors})
-        else:  # (no constrained row, or the runner returned other rows than the schedule said: computed now)
-            if ahead is not None:
-                wait([ahead[1]])
-            targets = {rid: self._targets(self._states[rid], seq_rows) for rid, seq_rows in rows.items()}
-            masks = self._masks(targets, errors)  # every constrained row's allowed tokens, one bitmask for the step
+        rows: dict[str, list[tuple[Sequence, int]]] = {}
+        for row, key in enumerate(run.seq_ids):
+            st = self._states.get(key.request_id)
+            if st is not None:
+                rows.setdefault(key.request_id, []).append((st.request.sequences[key.index], row))
+        targets = {rid: self._targets(self._states[rid], seq_rows) for rid, seq_rows in rows.items()}
+        masks = self._masks(targets, errors)  # every constrained row's allowed tokens, one bitmask for the step
         updates: dict[str, RequestUpdate] = {}
         advanced: dict[str, RequestState] = {}
         now = time.monotonic()

@@ -110,11 +110,8 @@ def test_free_rows_beside_constrained_ones_do_not_change(llm):
     # (compact JSON: with free whitespace, a 135M model on a raw prompt can run on in blanks)
     constrained = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={
         "json": small, "disable_any_whitespace": True})  # fmt: skip
-    ahead = llm.llm_engine.num_steps_masked_ahead
     mixed = llm.generate(prompts + prompts, [free] * 3 + [constrained] * 3, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in mixed[:3]] == alone
-    # every step that sampled a constrained row had its masks filled while the forward ran
-    assert llm.llm_engine.num_steps_masked_ahead - ahead == max(len(o.outputs[0].token_ids) for o in mixed[3:])
     for o in mixed[3:]:
         assert o.outputs[0].finish_reason == "stop" and " " not in o.outputs[0].text
         _json(o.outputs[0].text, small)
