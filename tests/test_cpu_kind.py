@@ -70,7 +70,7 @@ def test_each_kind_builds_for_its_own_cpu_and_points_torch_at_it():
 
 
 @pytest.mark.parametrize(("flags", "plain_f32", "plain_bf16", "auto"), [
-    (HASWELL, 64, UNLIMITED, "float32"), (SKYLAKE_X, 0, UNLIMITED, "float32"), (ZEN4, 128, 4, "bfloat16"),
+    (HASWELL, 64, UNLIMITED, "float32"), (SKYLAKE_X, 0, UNLIMITED, "float32"), (ZEN4, 128, 24, "bfloat16"),
     (SAPPHIRE, 0, 3, "bfloat16")])  # fmt: skip
 def test_each_kinds_flags_give_its_linear_policy_and_auto_dtype(flags, plain_f32, plain_bf16, auto):
     policy = LinearPolicy.for_cpu(flags)

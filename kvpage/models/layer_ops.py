@@ -58,6 +58,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 #     rather than one layer's from cache: bfloat16 kernel 1.6x torch at 1 row, a tie at 3, torch
 #     ahead from 4 (21 vs 19 ms a pass): the bound is 3 on this kind; quantized 16 holds (int4 ties
 #     torch at 24 float32 rows).
+#   AVX-512 + AVX512_BF16 without AMX, AMD EPYC Zen 4 (kind avx512_bf16), 2026-12-07, after the row kernels
+#     read one weight row at a time (benchmarks/linear_policy.py, weights from memory): the bfloat16 kernel
+#     no slower than torch's GEMM up to 24 rows in one run (18.6 vs 22.9 ms a pass at 16, a tie at 32) and up
+#     to 64 in the next: the bound was 4, it is 24. Quantized bfloat16 measured 8 and 16 (int4), 12 and 12
+#     (int8) in the two runs: left at 16. Float32 keeps Zen 5's 128 (here: 24, 32). 16 concurrent bfloat16
+#     streams, bound 24 against 4 alternated in one run: 453 vs 443 tokens/s.
 UNLIMITED = 1 << 62
 
 
@@ -91,7 +97,7 @@ class LinearPolicy:
         avx512, native_bf16 = "avx512f" in flags, cpu_has_native_bf16(flags)
         kind = kind_of(flags)
         f32 = 128 if kind == "avx512_bf16" else 0 if avx512 else 64
-        bf16 = (3 if kind == "amx" else 4) if native_bf16 else UNLIMITED
+        bf16 = {"amx": 3, "avx512_bf16": 24}.get(kind, 4) if native_bf16 else UNLIMITED
         return LinearPolicy(
             plain={torch.float32: f32, torch.bfloat16: bf16},
             quantized={torch.float32: 16 if avx512 else 64, torch.bfloat16: 16 if native_bf16 else UNLIMITED},
