@@ -502,9 +502,10 @@ class LLMEngine:
             if reason is None and m is not None and m.terminated:  # (its stop token, taken though ignore_eos)
                 reason = "stop"
             forced: list[int] = []
-            if jump and reason is None and m is not None:
+            found = forced_tokens(m, tok.token_id, self.tokenizer) if jump and reason is None and m is not None else []
+            if found:  # each through the output's checks (the sequence's tokens copied only then)
                 tokens = [*seq.token_ids, tok.token_id]
-                for t in forced_tokens(m, tok.token_id, self.tokenizer):  # each through the output's checks
+                for t in found:
                     forced.append(t)
                     reason, stop = self.outputs.accept(st, index, tokens, seq.num_prompt_tokens, SampledToken(t))
                     tokens.append(t)

@@ -82,8 +82,8 @@ class _Run:
     def _answer(self, c: CompletionOutput, echoed: bool = True) -> tuple[str | None, list[dict], str | None]:
         """A choice's (content, tool calls, finish reason): the calls its constraint made (tool_choice required or
         a named function; cut by the length, as far as they came) or the server's parser found (auto); with
-        calls, the reason is "tool_calls" (or "length"). `echoed`:
-        the content begins with what `echo` puts first (a stream sent that already)."""
+        calls, the reason is "tool_calls" (or "length"). `echoed`: the content begins with what `echo` puts
+        first (a stream sent that already)."""
         mode, text = self.req.tool_mode, (self.req.echoed if echoed else "") + c.text
         calls: list[tuple[str, str]] = []
         cut = c.finish_reason == "length"  # (the calls as far as they came, as a stream sent them)
