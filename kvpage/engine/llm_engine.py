@@ -249,6 +249,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
+    def add_step_hook(self, hook) -> None:
+        """A StepHook (kvpage/worker/step_hooks.py) called by the model runner around every forward."""
+        self.runner.add_hook(hook)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, as vLLM's; False (nothing changes) while requests are unfinished."""
         return not self._states and self.kv_manager.reset_prefix_cache()

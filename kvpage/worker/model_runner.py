@@ -62,6 +62,10 @@ class ModelRunner:
         self.forward = step_forward(model)
         self.timings = {"copy": 0.0, "prepare": 0.0, "forward": 0.0}  # seconds, summed over steps
 
+    def add_hook(self, hook: StepHook) -> None:
+        """One more step hook, after the builder's (the server's hand-off, kvpage/server/async_engine.py)."""
+        self.hooks = (*self.hooks, hook)
+
     def hook(self, kind: type[H]) -> H | None:
         """Its step hook of this kind, if it has one (the engine's stats read their counters)."""
         return next((h for h in self.hooks if isinstance(h, kind)), None)
@@ -90,6 +94,8 @@ class ModelRunner:
         if inputs.group_metas:  # several KV-cache groups: each layer reads its group's tables
             metas = [inputs.meta, *inputs.group_metas]
             meta = [metas[g] for g in kv.layer_groups]
+        for hook in self.hooks:
+            hook.before_forward()
         if layer_hook is None:
             hidden = self.forward(inputs.input_ids, inputs.positions, kv.layers, meta)
         else:

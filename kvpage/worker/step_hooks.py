@@ -1,10 +1,13 @@
 """Step hooks: what a feature does around the model runner's forward, plugged in by the builder.
 
-The runner knows no feature; it calls each hook at four points of a step:
+The runner knows no feature; it calls each hook at five points of a step:
 
     layer_hook(inputs)        before the forward: a LayerHook for the model's layers, or None
                               (CacheBlend, worker/selective.py; a step with one runs the model
                               layer by layer instead of the fused decode)
+    before_forward()          the last thing before the forward, which runs without the GIL: work
+                              given to another Python thread here runs beside the forward, not
+                              between steps (the server hands out the last step's outputs here)
     after_forward(inputs)     every rank, right after the forward (H2O's mass summed over ranks)
     report(inputs, out)       where the logits are computed (rank 0): add to the step's output
     after_step(step)          every step, with a forward or without (the remote tier's write-through)
@@ -22,6 +25,9 @@ class StepHook:
 
     def layer_hook(self, inputs):
         return None
+
+    def before_forward(self) -> None:
+        pass
 
     def after_forward(self, inputs) -> None:
         pass
