@@ -1,4 +1,6 @@
-"""kvpage next to llama.cpp on the same work, in the same run: the servers, one stream, time to first token.
+"""kvpage next to llama.cpp and OpenVINO GenAI on the same work, in the same run.
+
+llama.cpp: the servers, one stream, time to first token.
 
 The same seeded requests go through the official `openai` client (streaming completions, greedy,
 ignore_eos, so each request yields exactly its max_tokens) to `kvpage serve` and to llama.cpp's
@@ -12,13 +14,24 @@ from the shipped Q4_1 file with llama-quantize (the same de-quantized values kvp
 Q4_1 is the shipped file. Binaries come from benchmarks/peers/build_llama_server.sh (built on first
 use, ~10 minutes on 2 cores).
 
+OpenVINO GenAI (Intel's continuous-batching pipeline with paged attention, the engine a CPU user picks
+to serve many requests; it has no OpenAI server of its own): offline, the workloads of
+peers/offline_workloads.py (one stream; 64 prompts at once; 31 prompts sharing a cached 1,024-token
+system text), token ids in (its converted tokenizer mangles this GGUF's byte-level vocabulary), greedy,
+ignore_eos, the same pool, batch limits and prefix caching, at equal precision (inference and KV cache:
+bf16 against kvpage's bfloat16, f32 against float32). OpenVINO runs optimum-intel's export of the same
+GGUF in its own environment (peers/openvino_env.sh, built on first use). Each repeat has prompts of
+its own; the two engines alternate, one process at a time, and the figures are medians over repeats.
+
     python benchmarks/peers.py --concurrency 1 16 64 --kvpage-dtypes auto --llama-types F32 Q4_1
+    python benchmarks/peers.py --peers openvino --openvino-precisions bf16 f32 --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shlex
 import statistics
@@ -38,6 +51,58 @@ def llama_binaries() -> Path:
     out = subprocess.run(["bash", str(ROOT / "peers" / "build_llama_server.sh")], check=True, capture_output=True,
                          text=True).stdout.strip().splitlines()[-1]  # fmt: skip
     return Path(out).parent
+
+
+def peers_dir() -> Path:
+    return Path(os.environ.get("KVPAGE_PEERS_DIR", Path.home() / ".cache" / "kvpage" / "peers"))
+
+
+def openvino_python() -> str:
+    out = subprocess.run(["bash", str(ROOT / "peers" / "openvino_env.sh")], check=True, capture_output=True,
+                         text=True).stdout.strip().splitlines()[-1]  # fmt: skip
+    return out
+
+
+OV_DTYPES = {"bf16": "bfloat16", "f32": "float32"}
+OFFLINE = {"one_stream": "one stream: 128-token prompt, 256 new tokens (decode tokens/s)",
+           "batch": "64 prompts of 64-512 tokens at once, 128 new each (output tokens/s)",
+           "shared": "31 prompts sharing a cached 1,024-token system text, 32 new each (output tokens/s)"}  # fmt: skip
+
+
+def _json_line(cmd: list[str]) -> dict:
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT.parent)
+    if run.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def run_openvino(precisions: list[str], repeats: int) -> tuple[list[str], dict]:
+    """The offline workloads, kvpage and OpenVINO GenAI alternating (the first to run swaps each repeat)."""
+    from kvpage.models.loader import resolve_model_path
+
+    ovpy, gguf = openvino_python(), resolve_model_path("smollm2")
+    rows, data = [], {}
+    for prec in precisions:
+        kv_cmd = lambda r, prec=prec: [sys.executable, str(ROOT / "peers" / "kvpage_offline.py"), "--dtype",
+                                       OV_DTYPES[prec], "--repeat", str(r)]  # fmt: skip
+        ov_cmd = lambda r, prec=prec: [ovpy, str(ROOT / "peers" / "openvino_run.py"), "--gguf", str(gguf),
+                                       "--precision", prec, "--out-dir", str(peers_dir() / "openvino-smollm2"),
+                                       "--repeat", str(r)]  # fmt: skip
+        runs = {"kvpage": [], "openvino": []}
+        for r in range(repeats):
+            order = [("kvpage", kv_cmd), ("openvino", ov_cmd)]
+            for name, cmd in order if r % 2 == 0 else order[::-1]:
+                runs[name].append(_json_line(cmd(r)))
+                print(f"  {prec} repeat {r} {name}: {runs[name][-1]['result']}", flush=True)
+        for w, what in OFFLINE.items():
+            k = statistics.median(x["result"][w] for x in runs["kvpage"])
+            o = statistics.median(x["result"][w] for x in runs["openvino"])
+            data[f"{w} {prec}"] = {"kvpage": [x["result"][w] for x in runs["kvpage"]],
+                                   "openvino": [x["result"][w] for x in runs["openvino"]]}  # fmt: skip
+            rows.append(f"| {what} | {prec} | {k:.1f} | {o:.1f} | **{k / o:.2f}** |")
+            print(rows[-1], flush=True)
+        data[f"info {prec}"] = {"kvpage": runs["kvpage"][0]["info"], "openvino": runs["openvino"][0]["info"]}
+    return rows, data
 
 
 def gguf_of(kind: str, bindir: Path) -> Path:
@@ -146,7 +211,31 @@ def main() -> int:
     ap.add_argument("--single-requests", type=int, default=4, help="requests at concurrency 1 (default 4)")
     ap.add_argument("--no-baselines", action="store_true", help="skip the Python API and transformers at c=1")
     ap.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
+    ap.add_argument("--peers", nargs="+", choices=["llama", "openvino"], default=["llama", "openvino"])
+    ap.add_argument("--openvino-precisions", nargs="+", choices=sorted(OV_DTYPES), default=["bf16", "f32"])
+    ap.add_argument("--repeats", type=int, default=3, help="OpenVINO comparison: repeats, medians reported")
     args = parse(ap, None, __file__)
+    if "llama" in args.peers:
+        run_llama(args)
+    if "openvino" in args.peers:
+        rows, data = run_openvino(args.openvino_precisions, args.repeats)
+        table = ("| offline, the same token ids | precision | kvpage | OpenVINO GenAI | kvpage / OpenVINO |\n"
+                 "|---|---|---|---|---|\n" + "\n".join(rows))  # fmt: skip
+        print(table)
+        write_json("peers_openvino", data)
+        if not args.no_results:
+            info = data[f"info {args.openvino_precisions[0]}"]["openvino"]
+            body = (f"kvpage (`LLM.generate`) and OpenVINO GenAI {info['openvino_genai']} (ContinuousBatchingPipeline, "
+                    f"optimum-intel's export of the same GGUF; inference and KV-cache precision as named), offline, "
+                    f"token ids in, greedy, ignore_eos; both: prefix caching, a 2 GiB KV pool, 256 sequences and "
+                    f"2,048 tokens a step at most. Median of {args.repeats} repeats, each with prompts of its own, the "
+                    f"engines alternating one process at a time.\n\n{table}")  # fmt: skip
+            append_results("Side by side with OpenVINO GenAI (benchmarks/peers.py --peers openvino)", body, "torch",
+                           "transformers")  # fmt: skip
+    return 0
+
+
+def run_llama(args) -> None:
     bindir = llama_binaries()
     info = (bindir.parent / "BUILD_INFO.txt").read_text().strip() if (bindir.parent / "BUILD_INFO.txt").exists() else ""
     prompt = long_prompt()
@@ -190,7 +279,6 @@ def main() -> int:
                 f"{info.splitlines()[0] if info else ''}; "
                 f"{' '.join(info.splitlines()[1:2])}.\n\n{table}")  # fmt: skip
         append_results("Side by side with llama.cpp (benchmarks/peers.py)", body, "torch", "transformers", "openai")
-    return 0
 
 
 if __name__ == "__main__":
