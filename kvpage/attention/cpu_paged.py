@@ -27,6 +27,9 @@ from kvpage.ops import KERNEL_DTYPES, load, unavailable_reason
 # A chunk of up to this many queries after cached context runs as that many decodes: each reads
 # the context once, where the reference gathers it into a copy first (SDPA wins on long chunks).
 SHORT_CHUNK = 16
+# A chunk of at least this many queries (or a whole fresh prompt) runs the prefill kernel where it applies:
+# below, most of its 16 lanes would be idle, and a chunk after context runs faster as decodes.
+PREFILL_KERNEL_ROWS = 16
 
 
 class CpuPagedBackend(TorchReferenceBackend):
@@ -43,6 +46,7 @@ class CpuPagedBackend(TorchReferenceBackend):
             raise RuntimeError(f"the 'cpu' attention backend needs kvpage's CPU kernels: {unavailable_reason()}")
         ops = torch.ops.kvpage
         self._decode, self._decode_int8 = ops.paged_decode_attention, ops.paged_decode_attention_int8
+        self._prefill, self._prefill_applies = ops.paged_prefill_attention, ops.paged_prefill_available
         self._write, self._write_int8 = ops.write_kv, ops.write_kv_int8
         self._bounds = ops.refresh_key_bounds
 
@@ -70,8 +74,11 @@ class CpuPagedBackend(TorchReferenceBackend):
     def prefill_chunk(self, out, q, k, v, kv: LayerKV, meta: AttentionMetadata, i: int, scale: float) -> None:
         m, n = q.shape[0], meta.seq_lens_list[i]
         limit = self.decode_chunks_up_to
-        as_decodes = limit is None or (m < n and m <= limit)
-        if not _kernel_reads(kv, q.dtype) or not as_decodes or read_path(meta, i, kv.bounded, kv.shaped) != DENSE:
+        if not _kernel_reads(kv, q.dtype) or read_path(meta, i, kv.bounded, kv.shaped) != DENSE:
+            return super().prefill_chunk(out, q, k, v, kv, meta, i, scale)
+        if limit is not None and (m >= PREFILL_KERNEL_ROWS or m == n) and self._prefill_applies(q, kv.k):
+            return self._prefill(out, q, kv.k, kv.v, meta.block_tables[i], n, scale)  # (its keys are written)
+        if not (limit is None or (m < n and m <= limit)):
             return super().prefill_chunk(out, q, k, v, kv, meta, i, scale)
         # query r sits at position n - m + r and sees the keys 0 .. n - m + r: a decode of that length
         tables = meta.block_tables[i : i + 1].expand(m, -1)

@@ -588,6 +588,148 @@ void paged_decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache
   dispatch_float(q.scalar_type(), "paged_decode_attention", [&](auto tag) { decode_impl<decltype(tag)>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, nullptr, nullptr, sel); });
 }
 
+// --- One prefill chunk over a paged bfloat16 cache, query rows in the lanes of a register -------------------
+// A chunk of M queries (positions n - M .. n - 1 of its sequence; its own keys already written to the cache)
+// attends the keys 0 .. its position. One task takes 16 query rows of one query head: the rows' q pairs are
+// laid out once, transposed (qt[p] = pair p of each row, one row a lane), so a key's scores for all 16 rows
+// are 16 lanes of VDPBF16PS with the key's pair broadcast, and the online softmax (max, exp, sum) runs
+// across the rows at once: no horizontal sums, and each K/V block is read once for 16 rows. The decode
+// kernel instead reads the context once per row (what a chunk run as decodes does) and SDPA first
+// gathers it into a copy. Scores and sums in float32, the probabilities and values too (the values
+// widened from bfloat16).
+#if defined(KVPAGE_AVX512) && defined(__AVX512BF16__)
+inline __m512 exp16(__m512 x) {  // exp8's polynomial on 16 lanes
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+constexpr bool kBf16Prefill = true;
+
+void prefill_rows_bf16(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const int64_t* table,
+                       int64_t width, int64_t n, float scale) {
+  const int64_t M = q.size(0), H = q.size(1), D = q.size(2), KVH = kc.size(1), BS = kc.size(2), G = H / KVH;
+  const int64_t P = D / 2, tiles = (M + 15) / 16, first = n - M, num_blocks = kc.size(0);
+  const auto* qp = q.data_ptr<c10::BFloat16>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const auto* kp = kc.data_ptr<c10::BFloat16>();
+  const auto* vp = vc.data_ptr<c10::BFloat16>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  for (int64_t j = 0; j < (n + BS - 1) / BS; ++j)
+    TORCH_CHECK(j < width && table[j] >= 0 && table[j] < num_blocks, "block id out of range in the prefill's table");
+  at::parallel_for(0, H * tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512> qt(P), acc(D), pt(BS);
+    std::vector<float> vf(BS * D);
+    alignas(64) float col[16];
+    alignas(64) uint32_t buf[16];
+    alignas(64) int32_t lane_pos[16];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t hq = task / tiles, r0 = (task % tiles) * 16, h = hq / G, R = std::min<int64_t>(16, M - r0);
+      for (int64_t p = 0; p < P; ++p) {  // lanes past the chunk repeat its last row (their results are dropped)
+        for (int64_t r = 0; r < 16; ++r)
+          buf[r] = reinterpret_cast<const uint32_t*>(qp + (r0 + std::min(r, R - 1)) * qs0 + hq * qs1)[p];
+        qt[p] = _mm512_load_ps(reinterpret_cast<const float*>(buf));
+      }
+      for (int64_t r = 0; r < 16; ++r) lane_pos[r] = static_cast<int32_t>(first + r0 + std::min(r, R - 1));
+      const __m512i pos = _mm512_load_si512(lane_pos);
+      const int64_t last = first + r0 + R - 1;  // the tile's last position: its keys are 0 .. last
+      __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), lv = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; ++d) acc[d] = _mm512_setzero_ps();
+      for (int64_t j = 0; j * BS <= last; ++j) {
+        const int64_t cnt = std::min(BS, last + 1 - j * BS), base = (table[j] * KVH + h) * BS * D;
+        const uint32_t* kw = reinterpret_cast<const uint32_t*>(kp + base);  // key t's pair p: kw[t * P + p]
+        __m512 bm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t t0 = 0; t0 < cnt; t0 += 16) {  // 16 keys' scores (BS % 16 == 0: all inside the block)
+          __m512 sc[16];
+          for (int t = 0; t < 16; ++t) sc[t] = _mm512_setzero_ps();
+          for (int64_t p = 0; p < P; ++p) {
+            const __m512bh qv = (__m512bh)qt[p];
+            const uint32_t* kt = kw + t0 * P + p;
+            for (int t = 0; t < 16; ++t)
+              sc[t] = _mm512_dpbf16_ps(sc[t], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(kt[t * P])));
+          }
+          for (int64_t t = 0; t < std::min<int64_t>(16, cnt - t0); ++t) {
+            const __mmask16 seen = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int>(j * BS + t0 + t)), pos,
+                                                         _MM_CMPINT_LE);
+            pt[t0 + t] = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), seen, sc[t],
+                                            _mm512_set1_ps(scale));
+            bm = _mm512_max_ps(bm, pt[t0 + t]);
+          }
+        }
+        const __m512 mnew = _mm512_max_ps(mv, bm);  // finite: key 0 is seen by every row
+        const __m512 corr = exp16(_mm512_sub_ps(mv, mnew));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < cnt; ++t) {
+          const __mmask16 seen = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int>(j * BS + t)), pos,
+                                                       _MM_CMPINT_LE);
+          pt[t] = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(pt[t], mnew)));
+          sum = _mm512_add_ps(sum, pt[t]);
+        }
+        lv = _mm512_fmadd_ps(lv, corr, sum);
+        mv = mnew;
+        for (int64_t t = 0; t < cnt; ++t)
+          for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vf.data() + t * D + d, load16(vp + base + t * D + d));
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {  // 16 columns of the rows' accumulators in registers
+          __m512 a[16];
+          for (int i = 0; i < 16; ++i) a[i] = _mm512_mul_ps(acc[d0 + i], corr);
+          for (int64_t t = 0; t < cnt; ++t) {
+            const __m512 pv = pt[t];
+            const float* vr = vf.data() + t * D + d0;
+            for (int i = 0; i < 16; ++i) a[i] = _mm512_fmadd_ps(pv, _mm512_set1_ps(vr[i]), a[i]);
+          }
+          for (int i = 0; i < 16; ++i) acc[d0 + i] = a[i];
+        }
+      }
+      const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), lv);
+      for (int64_t d = 0; d < D; ++d) {
+        _mm512_store_ps(col, _mm512_mul_ps(acc[d], inv));
+        for (int64_t r = 0; r < R; ++r) op[(r0 + r) * os0 + hq * os1 + d] = c10::BFloat16(col[r]);
+      }
+    }
+  });
+}
+#else
+constexpr bool kBf16Prefill = false;
+#endif
+
+// Whether paged_prefill_attention runs in this build for a bfloat16 cache of this shape.
+bool prefill_applies(const Tensor& q, const Tensor& k_cache) {
+  return kBf16Prefill && q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+         q.size(2) % 32 == 0 && q.size(2) <= 256 && k_cache.size(2) % 16 == 0;
+}
+
+bool paged_prefill_available(Tensor q, Tensor k_cache) { return prefill_applies(q, k_cache); }
+
+void paged_prefill_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int64_t seq_len,
+                             double scale) {
+  check_cache(k_cache, v_cache, "k_cache");
+  TORCH_CHECK(prefill_applies(q, k_cache), "paged_prefill_attention takes bfloat16 q and cache, head_dim % 32 == 0, "
+              "block_size % 16 == 0, in a build with AVX512_BF16");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.sizes() == q.sizes() && out.stride(2) == 1 &&
+                  out.scalar_type() == q.scalar_type(), "q and out must be [tokens, heads, head_dim], rows contiguous");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0, "q heads do not match the cache");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 1 && block_table.is_contiguous(),
+              "block_table must be one sequence's int64 table");
+  TORCH_CHECK(seq_len >= q.size(0) && seq_len <= block_table.size(0) * k_cache.size(2), "seq_len ", seq_len,
+              " does not fit the chunk and its table");
+#if defined(KVPAGE_AVX512) && defined(__AVX512BF16__)
+  if (q.size(0) > 0)
+    prefill_rows_bf16(out, q, k_cache, v_cache, block_table.data_ptr<int64_t>(), block_table.size(0), seq_len,
+                      static_cast<float>(scale));
+#endif
+}
+
 void check_scales(const Tensor& cache, const Tensor& ks, const Tensor& vs) {
   TORCH_CHECK(cache.scalar_type() == at::kChar, "an int8 cache must be int8");
   for (const Tensor* t : {&ks, &vs})
@@ -1355,6 +1497,8 @@ Tensor decode_mlp_part(Tensor x, Tensor attn, at::TensorList weights, int64_t bi
 
 TORCH_LIBRARY(kvpage, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_min=None, Tensor? k_max=None, Tensor? read_blocks=None, int sink=1, int recent=2) -> ()");
+  m.def("paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int seq_len, float scale) -> ()");
+  m.def("paged_prefill_available(Tensor q, Tensor k_cache) -> bool");
   m.def("refresh_key_bounds(Tensor k_cache, Tensor? k_scale, Tensor(a!) k_min, Tensor(b!) k_max, Tensor slots) -> ()");
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("paged_decode_attention_int8(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, Tensor v_scale, Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_min=None, Tensor? k_max=None, Tensor? read_blocks=None, int sink=1, int recent=2) -> ()");
@@ -1373,6 +1517,8 @@ TORCH_LIBRARY(kvpage, m) {
 
 TORCH_LIBRARY_IMPL(kvpage, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
+  m.impl("paged_prefill_available", &paged_prefill_available);
   m.impl("write_kv", &write_kv);
   m.impl("refresh_key_bounds", &refresh_key_bounds);
   m.impl("paged_decode_attention_int8", &paged_decode_attention_int8);
