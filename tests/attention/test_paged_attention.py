@@ -156,7 +156,7 @@ def _prefill_kernel_runs() -> bool:
     return torch.ops.kvpage.paged_prefill_available(probe, torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16))
 
 
-@pytest.mark.skipif(not _prefill_kernel_runs(), reason="no AVX512_BF16 build here: bfloat16 chunks take SDPA or decodes")
+@pytest.mark.skipif(not _prefill_kernel_runs(), reason="no AVX512_BF16 build: bfloat16 chunks take SDPA or decodes")
 @pytest.mark.parametrize("heads,kv_heads,d,bs", [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 32, 16), (8, 1, 64, 16)])
 def test_bfloat16_prefill_chunks_run_the_prefill_kernel_and_match_dense(heads, kv_heads, d, bs):
     """Chunks of 16 queries or more, and fresh prompts, of a bfloat16 cache: the prefill kernel (16 queries
@@ -176,7 +176,8 @@ def test_bfloat16_prefill_chunks_run_the_prefill_kernel_and_match_dense(heads, k
         full.append((q, k, v))
         tables.append(table)
     meta = AttentionMetadata.build([new for _, new in shapes], [n for n, _ in shapes], tables, bs)
-    q_in, k_in, v_in = (torch.cat([t[i][n - new :] for (n, new), t in zip(shapes, full, strict=True)]) for i in range(3))
+    new_rows = [slice(n - new, n) for n, new in shapes]
+    q_in, k_in, v_in = (torch.cat([t[i][r] for r, t in zip(new_rows, full, strict=True)]) for i in (0, 1, 2))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         out = get_backend("cpu").forward(q_in, k_in, v_in, LayerKV(k_cache, v_cache), meta, d**-0.5)
     calls = {e.key: e.count for e in prof.key_averages()}
