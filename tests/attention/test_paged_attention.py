@@ -149,27 +149,30 @@ def test_short_chunks_after_cached_context_run_in_place_as_decodes(new):
     torch.testing.assert_close(out[new:], expected, atol=1e-5, rtol=1e-5)
 
 
-def _prefill_kernel_runs() -> bool:
+def _prefill_kernel_runs(dtype) -> bool:
     if not load():
         return False
-    probe = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
-    return torch.ops.kvpage.paged_prefill_available(probe, torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16))
+    probe = torch.zeros(1, 1, 64, dtype=dtype)
+    return torch.ops.kvpage.paged_prefill_available(probe, torch.zeros(1, 1, 16, 64, dtype=dtype))
 
 
-@pytest.mark.skipif(not _prefill_kernel_runs(), reason="no AVX512_BF16 build: bfloat16 chunks take SDPA or decodes")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,d,bs", [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 32, 16), (8, 1, 64, 16)])
-def test_bfloat16_prefill_chunks_run_the_prefill_kernel_and_match_dense(heads, kv_heads, d, bs):
-    """Chunks of 16 queries or more, and fresh prompts, of a bfloat16 cache: the prefill kernel (16 queries
-    a task, partial tiles, keys masked per query) through scattered blocks, against dense attention."""
+def test_prefill_chunks_run_the_prefill_kernel_and_match_dense(heads, kv_heads, d, bs, dtype):
+    """Chunks of 16 queries or more, and fresh prompts: the prefill kernel (16 queries a task, partial tiles,
+    keys masked per query) through scattered blocks, against dense attention (float32 on AVX-512 builds,
+    bfloat16 with AVX512_BF16)."""
+    if not _prefill_kernel_runs(dtype):
+        pytest.skip(f"no prefill kernel for {dtype} in this build: its chunks take SDPA or decodes")
     g = torch.Generator().manual_seed(heads * d + bs)
     shapes = [(23, 23), (40, 40), (90, 33), (70, 16), (300, 17), (20, 5)]  # (length, new): the last as decodes
     num_blocks = sum(math.ceil(n / bs) for n, _ in shapes) + 2
     free = torch.randperm(num_blocks, generator=g).tolist()
-    k_cache = torch.zeros(num_blocks, kv_heads, bs, d, dtype=torch.bfloat16)
+    k_cache = torch.zeros(num_blocks, kv_heads, bs, d, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     full, tables = [], []
     for n, new in shapes:
-        q, k, v = (torch.randn(n, h, d, generator=g).bfloat16() for h in (heads, kv_heads, kv_heads))
+        q, k, v = (torch.randn(n, h, d, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
         table = [free.pop() for _ in range(math.ceil(n / bs))]
         for t in range(n - new):
             k_cache[table[t // bs], :, t % bs], v_cache[table[t // bs], :, t % bs] = k[t], v[t]
@@ -186,7 +189,8 @@ def test_bfloat16_prefill_chunks_run_the_prefill_kernel_and_match_dense(heads, k
     start = 0
     for (n, new), (q, k, v) in zip(shapes, full, strict=True):
         expected = dense_reference(q.float(), k.float(), v.float(), d**-0.5)[n - new :]
-        torch.testing.assert_close(out[start : start + new].float(), expected, atol=2e-2, rtol=2e-2)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[start : start + new].float(), expected, atol=tol, rtol=tol)
         start += new
 
 

@@ -589,16 +589,16 @@ void paged_decode_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache
   dispatch_float(q.scalar_type(), "paged_decode_attention", [&](auto tag) { decode_impl<decltype(tag)>(out, q, k_cache, v_cache, block_tables, seq_lens, scale, nullptr, nullptr, sel); });
 }
 
-// --- One prefill chunk over a paged bfloat16 cache, query rows in the lanes of a register -------------------
+// --- One prefill chunk over a paged cache, query rows in the lanes of a register ---------------------------
 // A chunk of M queries (positions n - M .. n - 1 of its sequence; its own keys already written to the cache)
-// attends the keys 0 .. its position. One task takes 16 query rows of one query head: the rows' q pairs are
-// laid out once, transposed (qt[p] = pair p of each row, one row a lane), so a key's scores for all 16 rows
-// are 16 lanes of VDPBF16PS with the key's pair broadcast, and the online softmax (max, exp, sum) runs
-// across the rows at once: no horizontal sums, and each K/V block is read once for 16 rows. The decode
-// kernel instead reads the context once per row (what a chunk run as decodes does) and SDPA first
-// gathers it into a copy. Scores and sums in float32, the probabilities and values too (the values
-// widened from bfloat16).
-#if defined(KVPAGE_AVX512) && defined(__AVX512BF16__)
+// attends the keys 0 .. its position. One task takes 16 query rows of one query head: the rows' q is laid
+// out once, transposed (qt[i] = element i of each row, one row a lane; for bfloat16 a pair of elements, for
+// VDPBF16PS), so a key's scores for all 16 rows are 16 lanes of FMAs (or pair dots) with the key's values
+// broadcast, and the online softmax (max, exp, sum) runs across the rows at once: no horizontal sums, and
+// each K/V block is read once for 16 rows. The decode kernel instead reads the context once per row (what a
+// chunk run as decodes does) and SDPA first gathers it into a copy. Scores, probabilities and sums in
+// float32, the values widened from bfloat16.
+#if defined(KVPAGE_AVX512)
 inline __m512 exp16(__m512 x) {  // exp8's polynomial on 16 lanes
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
   __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
@@ -616,31 +616,67 @@ inline __m512 exp16(__m512 x) {  // exp8's polynomial on 16 lanes
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
-constexpr bool kBf16Prefill = true;
+// Whether the prefill kernel takes this dtype in this build: float32 on AVX-512, bfloat16 with AVX512_BF16.
+template <typename T>
+constexpr bool prefill_kernel() {
+#if defined(__AVX512BF16__)
+  return std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+#else
+  return std::is_same_v<T, float>;
+#endif
+}
 
-void prefill_rows_bf16(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const int64_t* table,
-                       int64_t width, int64_t n, float scale) {
+// 16 keys' scores (key t0 + t in sc[t], one row a lane; unscaled) against the transposed rows qt.
+template <typename T>
+inline void row_scores(const std::vector<__m512>& qt, const T* k, int64_t t0, int64_t D, __m512* sc) {
+  for (int t = 0; t < 16; ++t) sc[t] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const int64_t P = D / 2;
+    const uint32_t* kw = reinterpret_cast<const uint32_t*>(k) + t0 * P;  // key t's pair p: kw[t * P + p]
+    for (int64_t p = 0; p < P; ++p) {
+      const __m512bh qv = (__m512bh)qt[p];
+      for (int t = 0; t < 16; ++t)
+        sc[t] = _mm512_dpbf16_ps(sc[t], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(kw[t * P + p])));
+    }
+    return;
+  }
+#endif
+  if constexpr (std::is_same_v<T, float>) {
+    const float* kr = k + t0 * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 qv = qt[d];
+      for (int t = 0; t < 16; ++t) sc[t] = _mm512_fmadd_ps(qv, _mm512_set1_ps(kr[t * D + d]), sc[t]);
+    }
+  }
+}
+
+template <typename T>
+void prefill_rows(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& vc, const int64_t* table,
+                  int64_t width, int64_t n, float scale) {
   const int64_t M = q.size(0), H = q.size(1), D = q.size(2), KVH = kc.size(1), BS = kc.size(2), G = H / KVH;
-  const int64_t P = D / 2, tiles = (M + 15) / 16, first = n - M, num_blocks = kc.size(0);
-  const auto* qp = q.data_ptr<c10::BFloat16>();
-  auto* op = out.data_ptr<c10::BFloat16>();
-  const auto* kp = kc.data_ptr<c10::BFloat16>();
-  const auto* vp = vc.data_ptr<c10::BFloat16>();
+  const int64_t tiles = (M + 15) / 16, first = n - M, num_blocks = kc.size(0);
+  constexpr bool pairs = std::is_same_v<T, c10::BFloat16>;
+  const int64_t Q = pairs ? D / 2 : D;  // registers of transposed q: pairs of elements, or elements
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* kp = kc.data_ptr<T>();
+  const T* vp = vc.data_ptr<T>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
   for (int64_t j = 0; j < (n + BS - 1) / BS; ++j)
     TORCH_CHECK(j < width && table[j] >= 0 && table[j] < num_blocks, "block id out of range in the prefill's table");
   at::parallel_for(0, H * tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<__m512> qt(P), acc(D), pt(BS);
+    std::vector<__m512> qt(Q), acc(D), pt(BS);
     std::vector<float> vf(BS * D);
     alignas(64) float col[16];
     alignas(64) uint32_t buf[16];
     alignas(64) int32_t lane_pos[16];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t hq = task / tiles, r0 = (task % tiles) * 16, h = hq / G, R = std::min<int64_t>(16, M - r0);
-      for (int64_t p = 0; p < P; ++p) {  // lanes past the chunk repeat its last row (their results are dropped)
+      for (int64_t i = 0; i < Q; ++i) {  // lanes past the chunk repeat its last row (their results are dropped)
         for (int64_t r = 0; r < 16; ++r)
-          buf[r] = reinterpret_cast<const uint32_t*>(qp + (r0 + std::min(r, R - 1)) * qs0 + hq * qs1)[p];
-        qt[p] = _mm512_load_ps(reinterpret_cast<const float*>(buf));
+          buf[r] = reinterpret_cast<const uint32_t*>(qp + (r0 + std::min(r, R - 1)) * qs0 + hq * qs1)[i];
+        qt[i] = _mm512_load_ps(reinterpret_cast<const float*>(buf));
       }
       for (int64_t r = 0; r < 16; ++r) lane_pos[r] = static_cast<int32_t>(first + r0 + std::min(r, R - 1));
       const __m512i pos = _mm512_load_si512(lane_pos);
@@ -649,17 +685,10 @@ void prefill_rows_bf16(Tensor& out, const Tensor& q, const Tensor& kc, const Ten
       for (int64_t d = 0; d < D; ++d) acc[d] = _mm512_setzero_ps();
       for (int64_t j = 0; j * BS <= last; ++j) {
         const int64_t cnt = std::min(BS, last + 1 - j * BS), base = (table[j] * KVH + h) * BS * D;
-        const uint32_t* kw = reinterpret_cast<const uint32_t*>(kp + base);  // key t's pair p: kw[t * P + p]
         __m512 bm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t t0 = 0; t0 < cnt; t0 += 16) {  // 16 keys' scores (BS % 16 == 0: all inside the block)
+        for (int64_t t0 = 0; t0 < cnt; t0 += 16) {  // 16 keys at a time (BS % 16 == 0: all inside the block)
           __m512 sc[16];
-          for (int t = 0; t < 16; ++t) sc[t] = _mm512_setzero_ps();
-          for (int64_t p = 0; p < P; ++p) {
-            const __m512bh qv = (__m512bh)qt[p];
-            const uint32_t* kt = kw + t0 * P + p;
-            for (int t = 0; t < 16; ++t)
-              sc[t] = _mm512_dpbf16_ps(sc[t], qv, (__m512bh)_mm512_set1_epi32(static_cast<int>(kt[t * P])));
-          }
+          row_scores<T>(qt, kp + base, t0, D, sc);
           for (int64_t t = 0; t < std::min<int64_t>(16, cnt - t0); ++t) {
             const __mmask16 seen = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int>(j * BS + t0 + t)), pos,
                                                          _MM_CMPINT_LE);
@@ -679,14 +708,20 @@ void prefill_rows_bf16(Tensor& out, const Tensor& q, const Tensor& kc, const Ten
         }
         lv = _mm512_fmadd_ps(lv, corr, sum);
         mv = mnew;
-        for (int64_t t = 0; t < cnt; ++t)
-          for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vf.data() + t * D + d, load16(vp + base + t * D + d));
+        const float* vr0 = nullptr;
+        if constexpr (std::is_same_v<T, float>) {
+          vr0 = vp + base;
+        } else {
+          for (int64_t t = 0; t < cnt; ++t)
+            for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(vf.data() + t * D + d, load16(vp + base + t * D + d));
+          vr0 = vf.data();
+        }
         for (int64_t d0 = 0; d0 < D; d0 += 16) {  // 16 columns of the rows' accumulators in registers
           __m512 a[16];
           for (int i = 0; i < 16; ++i) a[i] = _mm512_mul_ps(acc[d0 + i], corr);
           for (int64_t t = 0; t < cnt; ++t) {
             const __m512 pv = pt[t];
-            const float* vr = vf.data() + t * D + d0;
+            const float* vr = vr0 + t * D + d0;
             for (int i = 0; i < 16; ++i) a[i] = _mm512_fmadd_ps(pv, _mm512_set1_ps(vr[i]), a[i]);
           }
           for (int i = 0; i < 16; ++i) acc[d0 + i] = a[i];
@@ -695,19 +730,21 @@ void prefill_rows_bf16(Tensor& out, const Tensor& q, const Tensor& kc, const Ten
       const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), lv);
       for (int64_t d = 0; d < D; ++d) {
         _mm512_store_ps(col, _mm512_mul_ps(acc[d], inv));
-        for (int64_t r = 0; r < R; ++r) op[(r0 + r) * os0 + hq * os1 + d] = c10::BFloat16(col[r]);
+        for (int64_t r = 0; r < R; ++r) op[(r0 + r) * os0 + hq * os1 + d] = static_cast<T>(col[r]);
       }
     }
   });
 }
-#else
-constexpr bool kBf16Prefill = false;
 #endif
 
 // Whether paged_prefill_attention runs in this build for a bfloat16 cache of this shape.
 bool prefill_applies(const Tensor& q, const Tensor& k_cache) {
-  return kBf16Prefill && q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-         q.size(2) % 32 == 0 && q.size(2) <= 256 && k_cache.size(2) % 16 == 0;
+  bool dtype_ok = false;
+#if defined(KVPAGE_AVX512)
+  if (q.scalar_type() == k_cache.scalar_type() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16))
+    dispatch_float(q.scalar_type(), "paged_prefill_attention", [&](auto tag) { dtype_ok = prefill_kernel<decltype(tag)>(); });
+#endif
+  return dtype_ok && q.size(2) % 32 == 0 && q.size(2) <= 256 && k_cache.size(2) % 16 == 0;
 }
 
 bool paged_prefill_available(Tensor q, Tensor k_cache) { return prefill_applies(q, k_cache); }
@@ -715,8 +752,8 @@ bool paged_prefill_available(Tensor q, Tensor k_cache) { return prefill_applies(
 void paged_prefill_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int64_t seq_len,
                              double scale) {
   check_cache(k_cache, v_cache, "k_cache");
-  TORCH_CHECK(prefill_applies(q, k_cache), "paged_prefill_attention takes bfloat16 q and cache, head_dim % 32 == 0, "
-              "block_size % 16 == 0, in a build with AVX512_BF16");
+  TORCH_CHECK(prefill_applies(q, k_cache), "paged_prefill_attention takes q and a cache of one dtype (float32 in an "
+              "AVX-512 build, bfloat16 with AVX512_BF16), head_dim % 32 == 0, block_size % 16 == 0");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.sizes() == q.sizes() && out.stride(2) == 1 &&
                   out.scalar_type() == q.scalar_type(), "q and out must be [tokens, heads, head_dim], rows contiguous");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0, "q heads do not match the cache");
@@ -724,10 +761,14 @@ void paged_prefill_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cach
               "block_table must be one sequence's int64 table");
   TORCH_CHECK(seq_len >= q.size(0) && seq_len <= block_table.size(0) * k_cache.size(2), "seq_len ", seq_len,
               " does not fit the chunk and its table");
-#if defined(KVPAGE_AVX512) && defined(__AVX512BF16__)
+#if defined(KVPAGE_AVX512)
   if (q.size(0) > 0)
-    prefill_rows_bf16(out, q, k_cache, v_cache, block_table.data_ptr<int64_t>(), block_table.size(0), seq_len,
-                      static_cast<float>(scale));
+    dispatch_float(q.scalar_type(), "paged_prefill_attention", [&](auto tag) {
+      using T = decltype(tag);
+      if constexpr (prefill_kernel<T>())
+        prefill_rows<T>(out, q, k_cache, v_cache, block_table.data_ptr<int64_t>(), block_table.size(0), seq_len,
+                        static_cast<float>(scale));
+    });
 #endif
 }
 
