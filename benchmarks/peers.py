@@ -5,7 +5,10 @@ llama.cpp: the servers, one stream, time to first token.
 The same seeded requests go through the official `openai` client (streaming completions, greedy,
 ignore_eos, so each request yields exactly its max_tokens) to `kvpage serve` and to llama.cpp's
 `llama-server` with `-np` equal to the concurrency, one server at a time:
-  - output tokens/s, time to first token p50/p99, inter-token latency p50, at each --concurrency;
+  - output tokens/s, time to first token p50/p99, inter-token latency p50, at each --concurrency
+    (at concurrency 1 every server is up at once and they take the requests in turns: the machine's
+    speed moves by a third within an hour here, and one server at a time measured that too; the p99
+    there is the slowest of the requests' TTFTs, the ITL the median of theirs);
   - time to first token of one 760-token prompt, cold, then again (prefix cache warm; the median of 5);
   - at concurrency 1 also kvpage's Python API and transformers' `generate` on the same requests
     (what the server path costs; the ">= 2x transformers" target).
@@ -196,6 +199,36 @@ def measure_server(start, reqs, concurrency: int, prompt: str) -> dict:
         proc.wait(timeout=30)
 
 
+def measure_interleaved(servers, reqs, prompt: str) -> dict:
+    """One stream: every server up at once (idle ones wait on their sockets), the requests taken in turns,
+    request i by each server before request i + 1 (the first to go rotates), so a machine that slows
+    down for a while slows every server alike; then each one's cold and warm TTFT of the long prompt."""
+    up = [(name, *start()) for name, start in servers]
+    try:
+        for _, _, url in up:
+            asyncio.run(run_load(url, reqs[:1], 1))  # warm-up
+        runs: dict[str, list[dict]] = {name: [] for name, _, _ in up}
+        for i, req in enumerate(reqs):
+            for name, _, url in up[i % len(up) :] + up[: i % len(up)]:
+                runs[name].append(asyncio.run(run_load(url, [req], 1)))
+        out = {}
+        for name, _, url in up:
+            rs = runs[name]
+            r = {"output_tokens_per_s": sum(n for _, n in reqs) / sum(x["wall_s"] for x in rs),
+                 "ttft_p50_s": statistics.median(x["ttft_p50_s"] for x in rs),
+                 "ttft_p99_s": max(x["ttft_p50_s"] for x in rs),
+                 "itl_p50_s": statistics.median(x["itl_p50_s"] for x in rs), "interleaved": True}  # fmt: skip
+            r["ttft_cold_s"] = asyncio.run(ttft_once(url, prompt))
+            warm = [asyncio.run(ttft_once(url, prompt)) for _ in range(WARM_REPEATS)]
+            r["ttft_warm_runs_s"], r["ttft_warm_s"] = warm, statistics.median(warm)
+            out[name] = r
+        return out
+    finally:
+        for _, proc, _ in up:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
@@ -247,8 +280,9 @@ def run_llama(args) -> None:
         servers = [(f"kvpage {d}", lambda d=d: start_server("default", *kvpage_args(d))) for d in args.kvpage_dtypes]
         servers += [(f"llama-server {t}", lambda t=t, c=c: start_llama(bindir, gguf_of(t, bindir), c, 2048, llama_args))
                     for t in args.llama_types]  # fmt: skip
+        results = measure_interleaved(servers, reqs, prompt) if c == 1 else None
         for name, start in servers:
-            r = measure_server(start, reqs, c, prompt)
+            r = results[name] if results else measure_server(start, reqs, c, prompt)
             data[f"{name} c={c}"] = r
             ttft = f"{r['ttft_cold_s']:.2f} / {r['ttft_warm_s']:.3f}" if c == 1 else ""
             rows.append(f"| {c} | {name} | {r['output_tokens_per_s']:.1f} | {r['ttft_p50_s']:.2f} / "
@@ -272,9 +306,10 @@ def run_llama(args) -> None:
     print(table)
     write_json("peers", {"results": data, "llama_build": info})
     if not args.no_results:
-        body = (f"Same seeded requests to each server, one server at a time, streamed through the openai client "
-                f"(greedy, ignore_eos). Concurrency 1: {args.single_requests} requests of 128 tokens; higher: "
-                f"{args.requests} requests, prompts of 24-380 words (~32-512 tokens), outputs 32-256 tokens. "
+        body = (f"Same seeded requests to each server, streamed through the openai client (greedy, ignore_eos). "
+                f"Concurrency 1: {args.single_requests} requests of 128 tokens, every server up, taking them in turns; "
+                f"higher: one server at a time, {args.requests} requests, prompts of 24-380 words (~32-512 tokens), "
+                f"outputs 32-256 tokens. "
                 f"llama-server: `-np` = clients, `-t {THREADS}` {args.llama_args}; "
                 f"{info.splitlines()[0] if info else ''}; "
                 f"{' '.join(info.splitlines()[1:2])}.\n\n{table}")  # fmt: skip
