@@ -28,6 +28,7 @@ its own; the two engines alternate, one process at a time, and the figures are m
 
     python benchmarks/peers.py --concurrency 1 16 64 --kvpage-dtypes auto --llama-types F32 Q4_1
     python benchmarks/peers.py --peers openvino --openvino-precisions bf16 f32 --repeats 3
+    python benchmarks/peers.py --peers llama --model-shape llama-3.2-1b --concurrency 1 16 --single-requests 3
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ from _report import append_results, parse, write_json
 from serving import free_port, make_client, run_api, run_load, start_server, wait_healthy, workload
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "peers"))
+from shaped_models import SHAPES, shaped_gguf  # noqa: E402
+
 THREADS = os.cpu_count() or 2
 
 
@@ -106,6 +110,18 @@ def run_openvino(precisions: list[str], repeats: int) -> tuple[list[str], dict]:
             print(rows[-1], flush=True)
         data[f"info {prec}"] = {"kvpage": runs["kvpage"][0]["info"], "openvino": runs["openvino"][0]["info"]}
     return rows, data
+
+
+def model_file(kind: str, shape: str | None, bindir: Path) -> Path:
+    """The GGUF llama-server runs: SmolLM2's, or a random-weight model of `shape` (built once)."""
+    return shaped_gguf(shape, kind, bindir, peers_dir() / "shapes") if shape else gguf_of(kind, bindir)
+
+
+def start_kvpage(spec: str, shape: str | None, bindir: Path):
+    dtype, extra = kvpage_args(spec)
+    if shape:  # the same BF16 file llama-server reads (int4: quantized by kvpage as it loads)
+        extra = (*extra, "--model", str(model_file("BF16", shape, bindir)), "--served-model-name", "smollm2")
+    return start_server("default", dtype, extra)
 
 
 def gguf_of(kind: str, bindir: Path) -> Path:
@@ -247,6 +263,12 @@ def main() -> int:
     ap.add_argument("--peers", nargs="+", choices=["llama", "openvino"], default=["llama", "openvino"])
     ap.add_argument("--openvino-precisions", nargs="+", choices=sorted(OV_DTYPES), default=["bf16", "f32"])
     ap.add_argument("--repeats", type=int, default=3, help="OpenVINO comparison: repeats, medians reported")
+    ap.add_argument(
+        "--model-shape",
+        choices=sorted(SHAPES),
+        default=None,
+        help="llama.cpp comparison on a random-weight model of this shape (peers/shaped_models.py)",
+    )
     args = parse(ap, None, __file__)
     if "llama" in args.peers:
         run_llama(args)
@@ -274,11 +296,13 @@ def run_llama(args) -> None:
     prompt = long_prompt()
     llama_args = shlex.split(args.llama_args)
     rows, data = [], {}
+    shape = args.model_shape
     for c in args.concurrency:
         n = args.single_requests if c == 1 else args.requests
         reqs = workload(n, seed=100 + c, prompt_words=(24, 380), max_tokens=(32, 256) if c > 1 else (128, 128))
-        servers = [(f"kvpage {d}", lambda d=d: start_server("default", *kvpage_args(d))) for d in args.kvpage_dtypes]
-        servers += [(f"llama-server {t}", lambda t=t, c=c: start_llama(bindir, gguf_of(t, bindir), c, 2048, llama_args))
+        servers = [(f"kvpage {d}", lambda d=d: start_kvpage(d, shape, bindir)) for d in args.kvpage_dtypes]
+        servers += [(f"llama-server {t}", lambda t=t, c=c: start_llama(bindir, model_file(t, shape, bindir), c,
+                                                                       2048, llama_args))
                     for t in args.llama_types]  # fmt: skip
         results = measure_interleaved(servers, reqs, prompt) if c == 1 else None
         for name, start in servers:
@@ -306,7 +330,9 @@ def run_llama(args) -> None:
     print(table)
     write_json("peers", {"results": data, "llama_build": info})
     if not args.no_results:
-        body = (f"Same seeded requests to each server, streamed through the openai client (greedy, ignore_eos). "
+        model = (f"Model: random weights of {args.model_shape}'s shape ({SHAPES[args.model_shape]}), one GGUF for "
+                 f"both. " if args.model_shape else "")  # fmt: skip
+        body = (f"{model}Same seeded requests to each server, streamed through the openai client (greedy, ignore_eos). "
                 f"Concurrency 1: {args.single_requests} requests of 128 tokens, every server up, taking them in turns; "
                 f"higher: one server at a time, {args.requests} requests, prompts of 24-380 words (~32-512 tokens), "
                 f"outputs 32-256 tokens. "
