@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offline_workloads import KV_POOL_GIB, MAX_BATCHED_TOKENS, MAX_NUM_SEQS, summarize, workloads  # noqa: E402
+from offline_workloads import KV_POOL_GIB, MAX_BATCHED_TOKENS, MAX_NUM_SEQS, measure  # noqa: E402
 
 
 def main() -> int:
@@ -36,12 +36,7 @@ def main() -> int:
         assert [len(o.outputs[0].token_ids) for o in outs] == [n for _, n in reqs]
         return dt
 
-    result = {}
-    for name, w in workloads(args.repeat).items():
-        if args.only and name not in args.only:
-            continue
-        run(w["warm"])
-        result[name] = summarize(name, [run(r) for r in w["runs"]], w["runs"])
+    result = measure(run, args.repeat, args.only)
     engine = llm.llm_engine
     print(json.dumps({"result": result, "info": {"dtype": engine.dtype_name, "why": engine.dtype_reason}}))
     return 0

@@ -39,6 +39,17 @@ def workloads(repeat: int = 0) -> dict[str, dict]:
     }
 
 
+def measure(run, repeat: int, only: list[str] | None = None) -> dict[str, float]:
+    """Each workload's figure, `run(requests) -> wall seconds` timing one submission of an engine."""
+    result = {}
+    for name, w in workloads(repeat).items():
+        if only and name not in only:
+            continue
+        run(w["warm"])
+        result[name] = summarize(name, [run(r) for r in w["runs"]], w["runs"])
+    return result
+
+
 def summarize(name: str, times: list[float], runs: list[list[tuple[list[int], int]]]) -> float:
     """The workload's figure from its runs' wall times: decode tokens/s for one_stream, else output tokens/s."""
     if name == "one_stream":

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offline_workloads import KV_POOL_GIB, MAX_BATCHED_TOKENS, MAX_NUM_SEQS, summarize, workloads  # noqa: E402
+from offline_workloads import KV_POOL_GIB, MAX_BATCHED_TOKENS, MAX_NUM_SEQS, measure  # noqa: E402
 
 
 def export(gguf: Path, out: Path) -> Path:
@@ -74,12 +74,7 @@ def main() -> int:
         assert got == [n for _, n in reqs], (got, [n for _, n in reqs])
         return dt
 
-    result = {}
-    for name, w in workloads(args.repeat).items():
-        if args.only and name not in args.only:
-            continue
-        run(w["warm"])
-        result[name] = summarize(name, [run(r) for r in w["runs"]], w["runs"])
+    result = measure(run, args.repeat, args.only)
     info = {"openvino": ov.__version__, "openvino_genai": og.__version__, "precision": args.precision}
     print(json.dumps({"result": result, "info": info}))
     return 0
