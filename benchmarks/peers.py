@@ -200,16 +200,12 @@ def kvpage_args(spec: str) -> tuple[str, tuple[str, ...]]:
     return dtype, (("--weight-dtype", weight_dtype) if weight_dtype else ())
 
 
-def measure_server(start, reqs, concurrency: int, prompt: str) -> dict:
+def measure_server(start, reqs, concurrency: int) -> dict:
+    """Several clients, one server at a time (one stream: measure_interleaved)."""
     proc, url = start()
     try:
         asyncio.run(run_load(url, reqs[:2], min(concurrency, 2)))  # warm-up
-        r = asyncio.run(run_load(url, reqs, concurrency))
-        if concurrency == 1:
-            r["ttft_cold_s"] = asyncio.run(ttft_once(url, prompt))
-            warm = [asyncio.run(ttft_once(url, prompt)) for _ in range(WARM_REPEATS)]
-            r["ttft_warm_runs_s"], r["ttft_warm_s"] = warm, statistics.median(warm)
-        return r
+        return asyncio.run(run_load(url, reqs, concurrency))
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -306,7 +302,7 @@ def run_llama(args) -> None:
                     for t in args.llama_types]  # fmt: skip
         results = measure_interleaved(servers, reqs, prompt) if c == 1 else None
         for name, start in servers:
-            r = results[name] if results else measure_server(start, reqs, c, prompt)
+            r = results[name] if results else measure_server(start, reqs, c)
             data[f"{name} c={c}"] = r
             ttft = f"{r['ttft_cold_s']:.2f} / {r['ttft_warm_s']:.3f}" if c == 1 else ""
             rows.append(f"| {c} | {name} | {r['output_tokens_per_s']:.1f} | {r['ttft_p50_s']:.2f} / "

@@ -49,7 +49,8 @@ class CpuPagedBackend(TorchReferenceBackend):
             raise RuntimeError(f"the 'cpu' attention backend needs kvpage's CPU kernels: {unavailable_reason()}")
         ops = torch.ops.kvpage
         self._decode, self._decode_int8 = ops.paged_decode_attention, ops.paged_decode_attention_int8
-        self._prefill, self._prefill_applies = ops.paged_prefill_attention, ops.paged_prefill_available
+        self._prefill, self._prefill_available = ops.paged_prefill_attention, ops.paged_prefill_available
+        self._prefill_ok: dict[tuple, bool] = {}  # (q dtype, cache dtype, head_dim, block_size) -> the kernel takes it
         self._write, self._write_int8 = ops.write_kv, ops.write_kv_int8
         self._bounds = ops.refresh_key_bounds
 
@@ -79,7 +80,7 @@ class CpuPagedBackend(TorchReferenceBackend):
         limit = self.decode_chunks_up_to
         if not _kernel_reads(kv, q.dtype) or read_path(meta, i, kv.bounded, kv.shaped) != DENSE:
             return super().prefill_chunk(out, q, k, v, kv, meta, i, scale)
-        if limit is not None and (m >= PREFILL_KERNEL_ROWS or m == n) and self._prefill_applies(q, kv.k):
+        if limit is not None and (m >= PREFILL_KERNEL_ROWS or m == n) and self._prefill_applies(q, kv):
             return self._prefill(out, q, kv.k, kv.v, meta.block_tables[i], n, scale)  # (its keys are written)
         if not (limit is None or (m < n and m <= limit)):
             return super().prefill_chunk(out, q, k, v, kv, meta, i, scale)
@@ -87,6 +88,13 @@ class CpuPagedBackend(TorchReferenceBackend):
         tables = meta.block_tables[i : i + 1].expand(m, -1)
         lens = torch.arange(n - m + 1, n + 1, dtype=torch.int64, device=q.device)
         self._decode_in_place(out, q, kv, tables, lens, scale)
+
+    def _prefill_applies(self, q, kv: LayerKV) -> bool:
+        """Whether this build's prefill kernel takes q over this cache (asked of the kernels once per shape)."""
+        key = (q.dtype, kv.k.dtype, q.shape[-1], kv.k.shape[2])
+        if key not in self._prefill_ok:
+            self._prefill_ok[key] = bool(self._prefill_available(q, kv.k))
+        return self._prefill_ok[key]
 
     def _decode_in_place(self, out, q, kv: LayerKV, tables, lens, scale: float, *budget) -> None:
         """`budget`: (k_min, k_max, blocks each reads) for decodes within a read budget (key_bounds.py)."""

@@ -667,6 +667,7 @@ void prefill_rows(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& 
     TORCH_CHECK(j < width && table[j] >= 0 && table[j] < num_blocks, "block id out of range in the prefill's table");
   at::parallel_for(0, H * tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512> qt(Q), acc(D), pt(BS);
+    std::vector<__mmask16> seen(BS);  // the block's keys each row sees (key position <= the row's)
     std::vector<float> vf(BS * D);
     alignas(64) float col[16];
     alignas(64) uint32_t buf[16];
@@ -690,20 +691,18 @@ void prefill_rows(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& 
           __m512 sc[16];
           row_scores<T>(qt, kp + base, t0, D, sc);
           for (int64_t t = 0; t < std::min<int64_t>(16, cnt - t0); ++t) {
-            const __mmask16 seen = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int>(j * BS + t0 + t)), pos,
-                                                         _MM_CMPINT_LE);
-            pt[t0 + t] = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), seen, sc[t],
-                                            _mm512_set1_ps(scale));
+            seen[t0 + t] = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int>(j * BS + t0 + t)), pos,
+                                                 _MM_CMPINT_LE);
+            pt[t0 + t] = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), seen[t0 + t],
+                                            sc[t], _mm512_set1_ps(scale));
             bm = _mm512_max_ps(bm, pt[t0 + t]);
           }
         }
         const __m512 mnew = _mm512_max_ps(mv, bm);  // finite: key 0 is seen by every row
         const __m512 corr = exp16(_mm512_sub_ps(mv, mnew));
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < cnt; ++t) {
-          const __mmask16 seen = _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int>(j * BS + t)), pos,
-                                                       _MM_CMPINT_LE);
-          pt[t] = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(pt[t], mnew)));
+        for (int64_t t = 0; t < cnt; ++t) {  // (exp16 clamps: an unseen key's -inf would give 1e-38, not 0)
+          pt[t] = _mm512_maskz_mov_ps(seen[t], exp16(_mm512_sub_ps(pt[t], mnew)));
           sum = _mm512_add_ps(sum, pt[t]);
         }
         lv = _mm512_fmadd_ps(lv, corr, sum);
@@ -737,7 +736,7 @@ void prefill_rows(Tensor& out, const Tensor& q, const Tensor& kc, const Tensor& 
 }
 #endif
 
-// Whether paged_prefill_attention runs in this build for a bfloat16 cache of this shape.
+// Whether paged_prefill_attention runs in this build for q over a cache of this dtype and shape.
 bool prefill_applies(const Tensor& q, const Tensor& k_cache) {
   bool dtype_ok = false;
 #if defined(KVPAGE_AVX512)
